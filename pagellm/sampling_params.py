@@ -1,0 +1,81 @@
+"""SamplingParams: how one request picks its tokens and when it stops (vLLM-compatible names and defaults)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    # Filled in by the engine: the model's EOS ids, unless ignore_eos.
+    all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k in (None, -1):  # vLLM spells "no top-k" as -1
+            self.top_k = 0
+        self._validate()
+        if self.temperature < _GREEDY_EPS:  # vLLM treats tiny temperatures as greedy
+            self.temperature = 0.0
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    def _validate(self) -> None:
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "an integer >= 1"),
+            ("temperature", self.temperature >= 0, ">= 0 (0 means greedy)"),
+            ("top_p", 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "0 or -1 (disabled) or a positive integer"),
+            ("min_p", 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 means no penalty)"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "an integer or None"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+             "an integer >= 1 or None"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "an integer >= 0"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+             "None or an integer in [0, 20]"),
+            ("prompt_logprobs", self.prompt_logprobs is None
+             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+             "None or an integer in [0, 20]"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+             "a list of non-negative token ids"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens={self.min_tokens} is invalid: must be <= max_tokens={self.max_tokens}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def for_child(self, index: int) -> SamplingParams:
+        """Parameters of the index-th of n samples: one output each, seeds kept distinct."""
+        seed = None if self.seed is None else self.seed + index
+        return replace(self, n=1, seed=seed, all_stop_token_ids=set(self.all_stop_token_ids))

@@ -1,0 +1,71 @@
+"""The HF tokenizer, its chat template, and incremental detokenization (via `tokenizers.DecodeStream`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tokenizers.decoders import DecodeStream
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class Tokenizer:
+    """Thin wrapper over a transformers tokenizer: encode, decode, chat template, EOS ids."""
+
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+        self.hf = hf_tokenizer
+        self.backend = hf_tokenizer.backend_tokenizer  # the Rust `tokenizers.Tokenizer`
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> Tokenizer | None:
+        """The tokenizer saved in a model directory, or None when the directory has none."""
+        path = Path(path)
+        if not any((path / name).exists() for name in TOKENIZER_FILES):
+            return None
+        return cls(AutoTokenizer.from_pretrained(str(path)))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.hf.eos_token_id
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=True)
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        return self.hf.convert_ids_to_tokens(token_id) or ""
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
+        if not self.hf.chat_template:
+            raise ValueError("messages: this model's tokenizer has no chat template; use generate() with a prompt")
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                           **kwargs)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of output token ids into text, one step at a time, without re-decoding everything.
+
+    `DecodeStream` holds back bytes of a multi-byte character split across tokens until it is complete.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int], skip_special_tokens: bool) -> None:
+        self._tokenizer = tokenizer
+        # Seeding with the prompt's tail lets the first output token decode with its correct leading space.
+        self._stream = DecodeStream(ids=prompt_ids[-8:], skip_special_tokens=skip_special_tokens)
+        self._stream.step(tokenizer.backend, [])
+        self.text = ""
+
+    def step(self, token_id: int) -> str:
+        """Decode one more token; returns the text it adds (possibly empty)."""
+        piece = self._stream.step(self._tokenizer.backend, token_id) or ""
+        self.text += piece
+        return piece

@@ -1,0 +1,80 @@
+"""Shared fixtures: the SmolLM2 GGUF (pagellm and the HF transformers oracle), tiny random-weight models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pagellm.model.loader import default_model
+
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf() -> Path:
+    return Path(default_model())
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(smollm2_gguf):
+    from pagellm import LLM
+
+    return LLM(str(smollm2_gguf), dtype="float32", device="cpu", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2(smollm2_gguf):
+    """HF transformers loading the same GGUF file: the independent oracle."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
+                                                 dtype=torch.float32)
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF generate, greedy, one prompt at a time (no padding), running to exactly max_new_tokens with EOS
+    treated as an ordinary token (as pagellm's ignore_eos does)."""
+    model.generation_config.eos_token_id = None  # generate() would fall back to the model's EOS otherwise
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+TINY_SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def make_tiny_model(tmp_path_factory, arch: str, **overrides) -> Path:
+    """Save a small random-weight HF model of the given family; returns its directory."""
+    import transformers
+
+    config_cls = getattr(transformers, f"{arch}Config")
+    model_cls = getattr(transformers, f"{arch}ForCausalLM")
+    config = config_cls(**{**TINY_SHAPES, **overrides})
+    torch.manual_seed(hash(arch) % 1000)
+    model = model_cls(config).eval()
+    with torch.no_grad():  # peakier logits than the default init, so greedy choices are far from ties
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+    path = tmp_path_factory.mktemp(arch.lower())
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return make_tiny_model(tmp_path_factory, "Llama")

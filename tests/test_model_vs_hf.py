@@ -1,0 +1,89 @@
+"""Greedy tokens and prompt logprobs against HF transformers (the oracle), fp32 on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.conftest import hf_greedy, make_tiny_model
+
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "def fibonacci(n):",
+    "List three colors: red,",
+    "In 1969, astronauts",
+    "Photosynthesis is the process by which",
+    "Q: What is 12 times 7?\nA:",
+    "The quick brown fox",
+]
+
+
+def test_smollm2_greedy_matches_hf(smollm2_llm, hf_smollm2):
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    outputs = smollm2_llm.generate(PROMPTS, params, use_tqdm=False)
+    for prompt, out in zip(PROMPTS, outputs):
+        expected = hf_greedy(hf_smollm2, out.prompt_token_ids, 48)
+        assert out.outputs[0].token_ids == expected, prompt
+    assert smollm2_llm.engine.kv_cache.num_free_blocks == smollm2_llm.engine.kv_cache.num_blocks
+
+
+def test_smollm2_chat_template_and_answer(smollm2_llm):
+    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    expected = smollm2_llm.tokenizer.hf.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True)
+    assert smollm2_llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == expected
+    assert "Paris" in out.outputs[0].text
+    assert out.outputs[0].finish_reason == "stop"  # ends on <|im_end|>
+
+
+def test_smollm2_prompt_logprobs_match_hf(smollm2_llm, hf_smollm2):
+    prompt = "The quick brown fox jumps over the lazy dog because it was"
+    out = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
+                               use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    with torch.no_grad():
+        ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(ids)
+    for pos in range(1, len(ids)):
+        entry = out.prompt_logprobs[pos]
+        assert abs(entry[ids[pos]].logprob - ref[pos - 1, ids[pos]].item()) < 1e-4
+        top = ref[pos - 1].topk(3)
+        for rank, (lp, tid) in enumerate(zip(top.values.tolist(), top.indices.tolist()), start=1):
+            assert entry[tid].rank == rank and abs(entry[tid].logprob - lp) < 1e-4
+
+
+FAMILIES = [
+    ("Llama", {}),
+    ("Llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("Llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": True}),
+    ("Mistral", {"sliding_window": None}),
+    ("Qwen2", {}),
+    ("Qwen3", {"head_dim": 32}),
+]
+
+
+@pytest.mark.parametrize("arch,overrides", FAMILIES, ids=["llama", "llama3-rope", "linear-rope-tied", "mistral",
+                                                          "qwen2", "qwen3"])
+def test_random_weight_families_match_hf(tmp_path_factory, arch, overrides):
+    from transformers import AutoModelForCausalLM
+
+    path = make_tiny_model(tmp_path_factory, arch, **overrides)
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=4, quiet=True)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (1, 5, 17, 40)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, 24)
+    # Prompt logprobs against HF's log-softmax.
+    out = llm.generate([prompts[3]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([prompts[3]])).logits[0], dim=-1)
+    for pos in range(1, len(prompts[3])):
+        tid = prompts[3][pos]
+        assert abs(out.prompt_logprobs[pos][tid].logprob - ref[pos - 1, tid].item()) < 1e-4
