@@ -1,0 +1,96 @@
+"""Bad input fails early with a message naming the field; the engine keeps serving and leaks no blocks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"top_p": 0}, "top_p"),
+    ({"temperature": -0.5}, "temperature"),
+    ({"top_k": -5}, "top_k"),
+    ({"n": 0}, "n"),
+    ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"logprobs": 100}, "logprobs"),
+    ({"stop": [""]}, "stop"),
+    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_rejected_engine_keeps_serving(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=64, quiet=True)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="prompt.*empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt.*too long.*max_model_len=64"):
+        llm.generate([list(range(64))], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt.*token ids"):
+        llm.generate([[1, 100_000]], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt.*no tokenizer"):
+        llm.generate("text needs a tokenizer", use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+    # One bad prompt in a batch queues nothing.
+    with pytest.raises(ValueError):
+        llm.generate([[1, 2], []], use_tqdm=False)
+    assert not engine.has_unfinished()
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 5
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_output_stops_at_max_model_len(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=32, quiet=True)
+    out = llm.generate([list(range(1, 21))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.outputs[0].token_ids) == 12 and out.outputs[0].finish_reason == "length"
+
+
+def test_abort_frees_blocks(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
+    engine = llm.engine
+    rid = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
+    keep = engine.add_request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()
+    assert engine.kv_cache.num_free_blocks < engine.kv_cache.num_blocks
+    aborted = engine.abort(rid)
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    finals = []
+    while engine.has_unfinished():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finals] == [keep]
+    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+@pytest.mark.parametrize("model", ["/no/such/dir", "no-such-model.gguf", "not a hub id"])
+def test_unknown_model_is_a_clear_error(model, monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="model="):
+        LLM(model, device="cpu", quiet=True)
+
+
+def test_unknown_hub_id_offline(monkeypatch, tmp_path):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    with pytest.raises(ValueError, match="model='nobody/nothing' not found"):
+        LLM("nobody/nothing", device="cpu", quiet=True)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype"),
+    ({"block_size": 3}, "block_size"),
+    ({"dtype": "int3"}, "dtype"),
+    ({"load_format": "pickle"}, "load_format"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+])
+def test_bad_engine_args(kwargs, field, tiny_llama_dir):
+    with pytest.raises(ValueError, match=field):
+        LLM(str(tiny_llama_dir), device="cpu", quiet=True, **kwargs)
