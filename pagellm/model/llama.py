@@ -81,8 +81,18 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return torch.nn.functional.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return torch.nn.functional.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_for_cpu(self) -> None:
+        """Switch every linear layer to oneDNN's weight layout; a tied LM head gets its own packed copy."""
+        if self.lm_head is None:
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size)
+            self.lm_head.weight.data = self.embed_tokens.weight.data
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy HF-named tensors into this model; returns the names of parameters that were loaded."""

@@ -13,6 +13,7 @@ from pagellm.config import EngineConfig, ModelConfig
 from pagellm.engine.request import Request
 from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.model.attention import LayerKVCache, allocate_kv_caches, get_backend
+from pagellm.model.layers import can_pack_for_cpu
 from pagellm.model.loader import load_weights
 from pagellm.model.registry import model_class
 from pagellm.runner.input_batch import ModelInput, build_model_input
@@ -51,6 +52,8 @@ class ModelRunner:
         with _default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(model_config)(model_config, self.backend, max_positions)
         load_weights(self.model, model_dir, engine_config.load_format, engine_config.seed, engine_config.quiet)
+        if can_pack_for_cpu(self.device, self.dtype):
+            self.model.pack_for_cpu()
         self.model.eval()
         self.sampler = Sampler(engine_config.seed, self.device)
         self.kv_caches: list[LayerKVCache] = []

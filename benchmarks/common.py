@@ -1,0 +1,58 @@
+"""Shared helpers for benchmarks: environment facts and writing a dated table + JSON under results/."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def environment() -> dict:
+    env = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_threads": torch.get_num_threads(),
+    }
+    try:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+        try:
+            import triton
+
+            env["triton"] = triton.__version__
+        except ImportError:
+            pass
+    return env
+
+
+def markdown_table(rows: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for row in rows:
+        cells = [f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(name: str, payload: dict, table: str) -> Path:
+    """Write results/<name>-<date>.json and .md; returns the JSON path."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    stamp = dt.date.today().isoformat()
+    path = RESULTS / f"{name}-{stamp}.json"
+    path.write_text(json.dumps(payload, indent=2))
+    env = payload.get("environment", {})
+    header = ", ".join(f"{k} {v}" for k, v in env.items())
+    path.with_suffix(".md").write_text(f"# {name} ({stamp})\n\n{header}\n\n{table}\n")
+    return path
