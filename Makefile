@@ -24,7 +24,7 @@ $(VENV)/.installed: pyproject.toml
 run: venv
 	$(VENV)/bin/pagellm serve --host $(HOST) --port $(PORT)
 
-test: venv
+test: venv browser
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
 # Headless Chromium for the demo-page test: Debian's package, installed where missing.

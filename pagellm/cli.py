@@ -65,6 +65,39 @@ def cmd_chat(args: argparse.Namespace) -> None:
     run_chat(engine_kwargs(args), sampling_params(args), args.system)
 
 
+def served_model_name(model: str | None) -> str:
+    """The name clients use: the hub id as given, else the file or directory name."""
+    from pathlib import Path
+
+    from pagellm.model.loader import default_model
+
+    path = Path(model or default_model())
+    if path.exists():
+        return path.stem.split(".")[0] if path.suffix == ".gguf" else path.name
+    return str(model)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    import os
+
+    import uvicorn
+
+    from pagellm.config import EngineConfig
+    from pagellm.engine.async_llm import AsyncLLM
+    from pagellm.server.app import create_app
+
+    llm = AsyncLLM(EngineConfig(**engine_kwargs(args)))
+    name = args.served_model_name or served_model_name(args.model)
+    app = create_app(llm, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
+                     max_body_bytes=args.max_body_bytes)
+    url = f"http://{args.host}:{args.port}"
+    print(f"pagellm: serving {name} — demo page {url}/ — OpenAI API {url}/v1", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    finally:
+        llm.shutdown()
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -80,6 +113,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(chat)
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server with a demo page")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGELLM_API_KEY)")
+    serve.add_argument("--served-model-name", default=None)
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    _add_engine_args(serve)
+    serve.set_defaults(func=cmd_serve)
     return parser
 
 

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from pagellm.errors import invalid_value
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -183,7 +185,7 @@ class EngineConfig:
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
-        raise ValueError(f"{name}={value!r} is invalid: must be {allowed}")
+        raise invalid_value(name, value, allowed)
 
 
 def cdiv(a: int, b: int) -> int:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from pagellm.errors import InvalidParameter, invalid_value
+
 _GREEDY_EPS = 1e-5
 
 
@@ -67,9 +69,10 @@ class SamplingParams:
         ]
         for name, ok, allowed in checks:
             if not ok:
-                raise ValueError(f"{name}={getattr(self, name)!r} is invalid: must be {allowed}")
+                raise invalid_value(name, getattr(self, name), allowed)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} is invalid: must be <= max_tokens={self.max_tokens}")
+            raise InvalidParameter("min_tokens", f"min_tokens={self.min_tokens} is invalid: "
+                                                 f"must be <= max_tokens={self.max_tokens}")
 
     @property
     def greedy(self) -> bool:

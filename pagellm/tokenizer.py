@@ -5,8 +5,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from jinja2 import TemplateError
 from tokenizers.decoders import DecodeStream
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagellm.errors import InvalidParameter
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -46,9 +49,19 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         if not self.hf.chat_template:
-            raise ValueError("messages: this model's tokenizer has no chat template; use generate() with a prompt")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                           **kwargs)
+            raise InvalidParameter("messages", "messages: this model's tokenizer has no chat template; "
+                                               "send a plain prompt instead")
+        try:
+            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **kwargs)
+        except TemplateError as exc:
+            raise InvalidParameter("messages", f"messages: the chat template rejected them: {exc}") from exc
+
+    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                        **kwargs: Any) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        # The template already wrote the special tokens (BOS and role markers): add none.
+        return self.hf.encode(text, add_special_tokens=False)
 
 
 class IncrementalDetokenizer:

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import itertools
 import json
-import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.engine.kv_cache_manager import KVCacheManager
+from pagellm.errors import InvalidParameter
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
 from pagellm.model.loader import load_config_dict, resolve_model_dir
@@ -20,8 +19,6 @@ from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.sampler import TokenScore
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import IncrementalDetokenizer, Tokenizer
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
 
@@ -35,6 +32,8 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
 
 
 class Engine:
@@ -60,6 +59,8 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
 
     def _max_model_len_wanted(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -89,28 +90,35 @@ class Engine:
         """Token ids of a prompt, validated: non-empty, ids in the vocabulary, shorter than max_model_len."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("prompt: this model has no tokenizer; pass token ids instead of text")
+                raise InvalidParameter("prompt", "prompt: this model has no tokenizer; pass token ids instead of text")
             ids = self.tokenizer.encode(prompt)
         else:
             ids = list(prompt)
         if not ids:
-            raise ValueError("prompt: must not be empty")
+            raise InvalidParameter("prompt", "prompt: must not be empty")
         vocab = self.model_config.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt: token ids must be integers in [0, {vocab})")
+            raise InvalidParameter("prompt", f"prompt: token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt: {len(ids)} tokens is too long: max_model_len={self.max_model_len} "
-                             "must leave room for at least one output token")
+            raise InvalidParameter("prompt", f"prompt: {len(ids)} tokens is too long: max_model_len="
+                                             f"{self.max_model_len} must leave room for at least one output token")
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Validate and queue a request (n samples of it when params.n > 1). Raises ValueError, queueing
-        nothing, on bad input."""
+        """Validate and queue a request (n samples of it when params.n > 1). Raises InvalidParameter (a
+        ValueError), queueing nothing, on bad input."""
+        children = self.make_requests(prompt, params, request_id)
+        self.enqueue(children)
+        return children[0].parent_id
+
+    def make_requests(self, prompt: str | list[int], params: SamplingParams | None = None,
+                      request_id: str | None = None) -> list[Request]:
+        """The validated Request of each of the n samples; changes no engine state (safe from other threads)."""
         params = params or SamplingParams()
         request_id = request_id or self.new_request_id()
         if request_id in self._groups:
-            raise ValueError(f"request_id={request_id!r} is already in use")
+            raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
         ids = self.tokenize(prompt)
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -127,10 +135,13 @@ class Engine:
             if child_params.prompt_logprobs is not None:
                 request.prompt_logprobs = [None]
             children.append(request)
-        self._groups[request_id] = children
+        return children
+
+    def enqueue(self, children: list[Request]) -> None:
+        self._groups[children[0].parent_id] = children
+        self._prompt_tokens_total += children[0].num_prompt_tokens
         for request in children:
             self.scheduler.add(request)
-        return request_id
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks. Unknown or finished ids are ignored."""
@@ -178,6 +189,7 @@ class Engine:
         request.metrics.first_token_time = request.metrics.first_token_time or now
         request.metrics.last_token_time = now
         request.output_token_ids.append(token)
+        self._generation_tokens_total += 1
         if score is not None:
             request.logprobs.append(self._position_logprobs(token, score))
             request.cumulative_logprob += score[0]
@@ -268,6 +280,8 @@ class Engine:
             num_preemptions=self.scheduler.stats.num_preemptions,
             prefix_cache_queries=self.kv_cache.stats.queries,
             prefix_cache_hits=self.kv_cache.stats.hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
         )
 
 

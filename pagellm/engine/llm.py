@@ -9,6 +9,7 @@ from tqdm import tqdm
 
 from pagellm.config import EngineConfig
 from pagellm.engine.engine import Engine
+from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -50,8 +51,6 @@ class LLM:
              add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
              ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
-        if self.tokenizer is None:
-            raise ValueError("messages: this model has no tokenizer, so no chat template")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
@@ -59,9 +58,9 @@ class LLM:
     def chat_prompt_ids(self, conversation: Messages, add_generation_prompt: bool = True,
                         chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
         _check_messages(conversation)
-        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
-        # The template already wrote the special tokens (BOS and role markers): add none.
-        return self.tokenizer.hf.encode(text, add_special_tokens=False)
+        if self.tokenizer is None:
+            raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
+        return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
 
     def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         ids = [self.engine.add_request(prompt, params) for prompt, params in work]
@@ -89,10 +88,10 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     if not prompts:
-        raise ValueError("prompts: must not be empty")
+        raise InvalidParameter("prompts", "prompts: must not be empty")
     for p in prompts:
         if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
-            raise ValueError("prompts: each prompt must be a string or a list of token ids")
+            raise InvalidParameter("prompts", "prompts: each prompt must be a string or a list of token ids")
     return prompts
 
 
@@ -103,13 +102,14 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise ValueError(f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
+        raise InvalidParameter("sampling_params",
+                               f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
     return params
 
 
 def _check_messages(conversation: Messages) -> None:
     if not conversation:
-        raise ValueError("messages: must not be empty")
+        raise InvalidParameter("messages", "messages: must not be empty")
     for i, message in enumerate(conversation):
         if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ValueError(f"messages[{i}]: must be a dict with 'role' and 'content'")
+            raise InvalidParameter("messages", f"messages[{i}]: must be a dict with 'role' and 'content'")

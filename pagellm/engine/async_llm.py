@@ -1,0 +1,152 @@
+"""AsyncLLM: the engine loop on a background thread, streaming outputs to asyncio consumers.
+
+Only the engine thread touches the Engine. Callers validate and build requests on their own thread (that reads
+only immutable engine state), then hand them over through a command queue; outputs come back through each
+request's asyncio queue. A stream whose consumer goes away (client hang-up, cancellation) aborts its request,
+which frees its KV blocks on the engine thread's next turn.
+
+Why a thread and not a process: torch releases the GIL inside its kernels, so on the GPU the Python work of
+the HTTP side overlaps the engine step, and a thread shares the tokenizer and needs no serialization of outputs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from pagellm.config import EngineConfig
+from pagellm.engine.engine import Engine, EngineStats
+from pagellm.engine.request import Request
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+@dataclass
+class LiveStats:
+    """What the engine thread publishes after each step (read by /metrics and the demo page)."""
+
+    engine: EngineStats
+    tokens_per_second: float = 0.0  # generated tokens/s over the last few seconds
+
+
+class AsyncLLM:
+    def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
+        self.engine = Engine(config or EngineConfig(**kwargs))
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._recent: list[tuple[float, int]] = []  # (time, generation_tokens_total then)
+        self.stats = LiveStats(self.engine.stats())
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    def shutdown(self) -> None:
+        self._stop.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout=10)
+
+    # ---- caller side ----------------------------------------------------------------------------------------
+
+    def make_requests(self, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+        """Validate now, on the caller's thread: bad input raises InvalidParameter before anything is queued."""
+        return self.engine.make_requests(prompt, params, request_id=uuid.uuid4().hex)
+
+    async def generate(self, prompt: str | list[int] | list[Request], params: SamplingParams | None = None,
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs of one request until it finishes; leaving early aborts it."""
+        if self.error is not None:
+            raise EngineDeadError(f"engine stopped: {self.error!r}")
+        requests = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], Request) \
+            else self.make_requests(prompt, params or SamplingParams())
+        request_id = requests[0].parent_id
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            self._streams[request_id] = stream
+        self._commands.put(("add", requests))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.outputs.get()
+                if isinstance(item, BaseException):
+                    raise EngineDeadError(f"engine stopped: {item!r}") from item
+                finished = item.finished
+                yield item
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(("abort", request_id))
+
+    # ---- engine thread --------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._apply_commands(block=not self.engine.has_unfinished())
+                if self.engine.has_unfinished():
+                    outputs = self.engine.step()
+                    self._publish(outputs)
+        except BaseException as exc:  # a bug in the engine: fail every stream rather than hang them
+            logger.exception("engine loop died")
+            self.error = exc
+            with self._lock:
+                streams = list(self._streams.values())
+            for stream in streams:
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+
+    def _apply_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            kind, arg = command
+            if kind == "add":
+                self.engine.enqueue(arg)
+            elif kind == "abort":
+                self.engine.abort(arg)
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+        self.stats = LiveStats(self.engine.stats(), self.stats.tokens_per_second)
+
+    def _publish(self, outputs: list[RequestOutput]) -> None:
+        stats = self.engine.stats()
+        now = time.time()
+        self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, stats.generation_tokens_total)]
+        (t0, n0), (t1, n1) = self._recent[0], self._recent[-1]
+        self.stats = LiveStats(stats, (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0)
+        with self._lock:
+            targets = [(self._streams.get(out.request_id), out) for out in outputs]
+        for stream, out in targets:
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)

@@ -1,0 +1,156 @@
+"""The OpenAI-compatible HTTP server (FastAPI) and the demo page.
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`, with 4xx for anything the client
+can fix. Nothing a client sends reaches the engine thread unvalidated, so no request can stop the engine loop.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
+from pagellm.errors import InvalidParameter
+from pagellm.server.metrics import ServerMetrics
+from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from pagellm.server.serving import OpenAIServing
+
+STATIC = Path(__file__).parent / "static"
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None
+                   ) -> JSONResponse:
+    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"), "param": param,
+                      "code": code if code is not None else status}}
+    return JSONResponse(body, status_code=status)
+
+
+def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
+               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    app = FastAPI(title="pagellm", version="0.1.0")
+    metrics = ServerMetrics(model_name)
+    serving = OpenAIServing(llm, model_name, metrics)
+    started = int(time.time())
+
+    @app.middleware("http")
+    async def guard(request: Request, call_next):
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
+            return error_response(413, f"request body over the limit of {max_body_bytes} bytes")
+        if api_key is not None and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
+            supplied = request.headers.get("authorization", "")
+            if not secrets.compare_digest(supplied.encode(), f"Bearer {api_key}".encode()):
+                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+        return await call_next(request)
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError):
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        param = ".".join(loc) or None
+        if first.get("type") == "json_invalid":
+            return error_response(400, "request body is not valid JSON", None, "invalid_json")
+        message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
+        return error_response(400, message, param, "invalid_request")
+
+    @app.exception_handler(InvalidParameter)
+    async def on_invalid_parameter(request: Request, exc: InvalidParameter):
+        return error_response(400, str(exc), exc.param, "invalid_request")
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(request: Request, exc: EngineDeadError):
+        return error_response(503, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException):
+        return error_response(exc.status_code, str(exc.detail))
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(request: Request, exc: Exception):
+        return error_response(500, f"internal error: {type(exc).__name__}")
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != model_name:
+            raise StarletteHTTPException(404, f"model={model!r} does not exist; this server serves {model_name!r}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=503 if llm.error is not None else 200)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "pagellm", "max_model_len": llm.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        job = serving.completion_job(body)
+        if body.stream:
+            return StreamingResponse(serving.stream(job), media_type="text/event-stream")
+        result = await serving.run(job, request.is_disconnected)
+        return Response(status_code=499) if result is None else result
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        job = serving.chat_job(body)
+        if body.stream:
+            return StreamingResponse(serving.stream(job), media_type="text/event-stream")
+        result = await serving.run(job, request.is_disconnected)
+        return Response(status_code=499) if result is None else result
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        check_model(body.model)
+        tokenizer = llm.tokenizer
+        if tokenizer is None:
+            raise InvalidParameter("model", "this model has no tokenizer")
+        if (body.prompt is None) == (body.messages is None):
+            raise InvalidParameter("prompt", "send exactly one of 'prompt' and 'messages'")
+        if body.messages is not None:
+            tokens = tokenizer.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in body.messages])
+        else:
+            tokens = tokenizer.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        check_model(body.model)
+        if llm.tokenizer is None:
+            raise InvalidParameter("model", "this model has no tokenizer")
+        vocab = llm.engine.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise InvalidParameter("tokens", f"tokens: ids must be in [0, {vocab})")
+        return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(llm.stats), media_type="text/plain; version=0.0.4")
+
+    @app.get("/stats")
+    async def live_stats() -> dict:
+        e = llm.stats.engine
+        return {"model": model_name, "running": e.num_running, "waiting": e.num_waiting,
+                "kv_cache_usage": e.kv_cache_usage, "tokens_per_second": llm.stats.tokens_per_second,
+                "prefix_cache_hit_rate": e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries
+                else 0.0, "num_preemptions": e.num_preemptions, "generation_tokens_total": e.generation_tokens_total,
+                "max_model_len": llm.max_model_len}
+
+    @app.get("/")
+    async def index() -> FileResponse:
+        return FileResponse(STATIC / "index.html")
+
+    app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    return app

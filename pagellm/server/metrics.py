@@ -1,0 +1,64 @@
+"""Prometheus metrics for the server, in their own registry (several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagellm.engine.async_llm import LiveStats
+from pagellm.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("pagellm:time_to_first_token_seconds", "Time to first token", labels,
+                              buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("pagellm:time_per_output_token_seconds", "Time per output token after the first",
+                              labels, buckets=_TPOT_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("pagellm:e2e_request_latency_seconds", "End-to-end request latency", labels,
+                             buckets=_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.running = Gauge("pagellm:num_requests_running", "Requests in the running batch", labels,
+                             registry=r).labels(model_name)
+        self.waiting = Gauge("pagellm:num_requests_waiting", "Requests waiting to be scheduled", labels,
+                             registry=r).labels(model_name)
+        self.kv_usage = Gauge("pagellm:kv_cache_usage_perc", "Fraction of KV-cache blocks in use", labels,
+                              registry=r).labels(model_name)
+        self.prefix_hit_rate = Gauge("pagellm:prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                                     labels, registry=r).labels(model_name)
+        self.preemptions = Gauge("pagellm:num_preemptions", "Preemptions since start", labels,
+                                 registry=r).labels(model_name)
+        self.prompt_tokens = Counter("pagellm:prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("pagellm:generation_tokens", "Generated tokens of finished requests",
+                                         labels, registry=r).labels(model_name)
+        self._requests = Counter("pagellm:request_success", "Finished requests by finish reason",
+                                 labels + ["finished_reason"], registry=r)
+        self._model_name = model_name
+
+    def record_finished(self, out: RequestOutput) -> None:
+        m = out.metrics
+        if m is not None and m.first_token_time is not None:
+            self.ttft.observe(m.first_token_time - m.arrival_time)
+            if m.finished_time is not None:
+                self.e2e.observe(m.finished_time - m.arrival_time)
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        for choice in out.outputs:
+            self.generation_tokens.inc(len(choice.token_ids))
+            self._requests.labels(self._model_name, choice.finish_reason or "unknown").inc()
+        n = len(out.outputs[0].token_ids)
+        if m is not None and m.first_token_time and m.last_token_time and n > 1:
+            self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
+
+    def render(self, stats: LiveStats) -> bytes:
+        e = stats.engine
+        self.running.set(e.num_running)
+        self.waiting.set(e.num_waiting)
+        self.kv_usage.set(e.kv_cache_usage)
+        self.prefix_hit_rate.set(e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries else 0.0)
+        self.preemptions.set(e.num_preemptions)
+        return generate_latest(self.registry)

@@ -1,0 +1,79 @@
+"""A real pagellm server on loopback (uvicorn in a background thread) over SmolLM2."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from pagellm.config import EngineConfig
+from pagellm.engine.async_llm import AsyncLLM
+from pagellm.server.app import create_app
+
+API_KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@dataclass
+class RunningServer:
+    url: str
+    llm: AsyncLLM
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Until the engine has nothing left to do and every KV block is free again."""
+        engine = self.llm.engine
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            stats = self.llm.stats.engine
+            if stats.num_running == 0 and stats.num_waiting == 0 and \
+                    stats.num_free_blocks == engine.kv_cache.num_blocks:
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"engine not idle: {self.llm.stats.engine}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(llm: AsyncLLM, **app_kwargs) -> tuple[uvicorn.Server, str]:
+    port = free_port()
+    app = create_app(llm, MODEL, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return server, url
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise RuntimeError("server did not start")
+
+
+@pytest.fixture(scope="session")
+def async_llm(smollm2_gguf):
+    llm = AsyncLLM(EngineConfig(model=str(smollm2_gguf), device="cpu", dtype="float32", quiet=True))
+    yield llm
+    llm.shutdown()
+
+
+@pytest.fixture(scope="session")
+def server(async_llm):
+    srv, url = start_server(async_llm, max_body_bytes=64 * 1024)
+    yield RunningServer(url, async_llm)
+    srv.should_exit = True
+
+
+@pytest.fixture(scope="session")
+def secured_server(async_llm):
+    srv, url = start_server(async_llm, api_key=API_KEY)
+    yield RunningServer(url, async_llm)
+    srv.should_exit = True

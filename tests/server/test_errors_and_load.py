@@ -1,0 +1,88 @@
+"""Bad input gets a 4xx in OpenAI's error shape; concurrent streams with hang-ups leak no KV blocks."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from openai import AsyncOpenAI
+
+from tests.server.conftest import API_KEY, MODEL
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+
+
+def assert_error(resp: httpx.Response, status: int, param: str | None = None, text: str | None = None) -> None:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    if param is not None:
+        assert err["param"] == param, err
+    if text is not None:
+        assert text in err["message"], err
+
+
+@pytest.mark.parametrize("body,param", [
+    ({**CHAT, "temperature": -1}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "max_tokens": -3}, "max_tokens"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "top_logprobs": 50, "logprobs": True}, "logprobs"),
+    ({**CHAT, "messages": []}, "messages"),
+    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+    ({"model": MODEL, "max_tokens": 4}, "messages"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+])
+def test_bad_chat_fields(server, body, param):
+    assert_error(httpx.post(f"{server.url}/v1/chat/completions", json=body), 400, param)
+
+
+def test_bad_completion_inputs(server):
+    url = f"{server.url}/v1/completions"
+    assert_error(httpx.post(url, json={"model": MODEL, "prompt": ""}), 400, "prompt", "empty")
+    assert_error(httpx.post(url, json={"model": MODEL, "prompt": []}), 400, "prompt")
+    assert_error(httpx.post(url, json={"model": MODEL, "prompt": [1, 10**9]}), 400, "prompt")
+    long_prompt = list(range(100, 100 + server.llm.max_model_len))
+    assert_error(httpx.post(url, json={"model": MODEL, "prompt": long_prompt}), 400, "prompt", "too long")
+    assert_error(httpx.post(url, json={"model": "gpt-4", "prompt": "x"}), 404, None, "does not exist")
+    assert_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
+    assert_error(httpx.post(url, json={"model": MODEL, "prompt": "x" * 70_000}), 413)
+    assert_error(httpx.post(url, json={"model": MODEL, "prompt": "x", "best_of": 3}), 400, "best_of")
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_api_key(secured_server):
+    url = f"{secured_server.url}/v1/chat/completions"
+    assert_error(httpx.post(url, json=CHAT), 401)
+    assert_error(httpx.post(url, json=CHAT, headers={"Authorization": "Bearer wrong"}), 401)
+    assert httpx.post(url, json=CHAT, headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+    assert httpx.get(f"{secured_server.url}/health").status_code == 200
+
+
+def test_concurrent_streams_with_hangups_free_every_block(server):
+    async def one(client: AsyncOpenAI, i: int) -> str:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": f"Tell me a story about the number {i}."}],
+            max_tokens=40, temperature=0.8, seed=i, stream=True)
+        text, chunks = "", 0
+        async for chunk in stream:
+            chunks += 1
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+            if i % 3 == 0 and chunks >= 3:  # a third of the clients hang up early
+                await stream.close()
+                return "hung up"
+        return text
+
+    async def run_all() -> list[str]:
+        async with AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(32)))
+
+    results = asyncio.run(run_all())
+    assert sum(r == "hung up" for r in results) == 11
+    assert all(r for r in results)
+    server.wait_idle()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json=CHAT)
+    assert ok.status_code == 200
