@@ -23,7 +23,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [B + 1] int32: sequence b owns tokens query_start_loc[b]:[b+1]
     seq_lens: torch.Tensor  # [B] int32: cached + new tokens after this step
     max_query_len: int
-    max_seq_len: int
+    max_seq_len: int  # host-side bound for kernel grids (max_model_len under CUDA-graph capture)
+    num_decodes: int = 0  # the first num_decodes sequences have one query token each
 
     @property
     def is_decode_only(self) -> bool:
@@ -72,7 +73,40 @@ class TorchAttentionBackend:
                                          cache.key_scale, cache.value_scale)
 
 
-def get_backend(name: str) -> AttentionBackend:
+class TritonAttentionBackend:
+    """GPU backend: Triton KV write (with INT8 quantization), split-KV decode for the leading one-token
+    sequences, and paged prefill attention for the rest of the batch."""
+
+    name = "triton"
+
+    def __init__(self, max_model_len: int) -> None:
+        from pagellm.kernels.decode_attention import split_size_for
+
+        self.split_size = split_size_for(max_model_len)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
+                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        from pagellm.kernels.decode_attention import paged_decode_attention
+        from pagellm.kernels.kv_write import write_kv
+        from pagellm.kernels.prefill_attention import paged_prefill_attention
+
+        write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
+        out = torch.empty_like(q)
+        n = metadata.num_decodes
+        scales = (cache.key_scale, cache.value_scale)
+        if n:
+            paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n], metadata.seq_lens[:n],
+                                   scale, metadata.max_seq_len, self.split_size, *scales, out=out[:n])
+        if n < metadata.seq_lens.numel():
+            paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],
+                                    metadata.query_start_loc[n:], metadata.seq_lens[n:], scale,
+                                    metadata.max_query_len, *scales, out=out)
+        return out
+
+
+def get_backend(name: str, max_model_len: int) -> AttentionBackend:
     if name == "torch":
         return TorchAttentionBackend()
-    raise ValueError(f"attention backend={name!r} is invalid: must be 'torch'")
+    if name == "triton":
+        return TritonAttentionBackend(max_model_len)
+    raise ValueError(f"attention backend={name!r} is invalid: must be 'torch' or 'triton'")

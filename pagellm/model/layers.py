@@ -62,6 +62,10 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual)."""
+        if x.is_cuda:
+            from pagellm.kernels.rmsnorm import rms_norm
+
+            return rms_norm(x, self.weight, self.eps, residual)
         return reference.rms_norm(x, self.weight, self.eps, residual)
 
 
@@ -92,6 +96,10 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if q.is_cuda:
+            from pagellm.kernels.rope import apply_rope_
+
+            return apply_rope_(q, k, positions, self.cos_sin_cache)
         return reference.apply_rope(q, k, positions, self.cos_sin_cache)
 
 

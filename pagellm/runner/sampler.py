@@ -49,10 +49,10 @@ class Sampler:
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
         token_ids = logits.argmax(dim=-1)
-        if bool(greedy.all()):
+        if all(p.greedy for p in batch.params):  # decided on the host: no device sync
             return token_ids
+        greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
         probs = filtered_probs(logits, batch.params)
         noise = self._exponential_noise(probs, batch.generators)
         sampled = (probs / noise).argmax(dim=-1)  # exponential race: same law as torch.multinomial

@@ -1,0 +1,153 @@
+"""Triton: paged decode attention (one query token per sequence), flash-decoding style.
+
+Stage 1, grid (sequence, KV head, split): each program walks its split of the context tile by tile through the
+block table, for all query heads of its KV head at once (GQA: each K/V tile is loaded once; the head group is
+padded to 16 rows because `tl.dot` needs M >= 16), and stores a normalized partial output plus its log-sum-exp.
+Stage 2, grid (sequence, head): merges the splits with a running max.
+
+The split size depends only on the engine's max_model_len, never on what else is batched, so outputs are
+batch-invariant and, with the grid sized for max_model_len, a captured CUDA graph stays valid. INT8 K/V are
+dequantized by folding the per-token scales into the scores (K) and the probabilities (V).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_N = 64  # context tokens per tile
+MIN_SPLIT = 512  # context tokens per split, at least
+MAX_SPLITS = 64
+
+
+def split_size_for(max_model_len: int) -> int:
+    """Tokens per split: at least MIN_SPLIT, and few enough splits that a max-length grid stays small."""
+    size = max(MIN_SPLIT, -(-max_model_len // MAX_SPLITS))
+    return -(-size // BLOCK_N) * BLOCK_N
+
+
+@triton.jit
+def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
+                           seq_lens_ptr, part_out_ptr, part_lse_ptr,
+                           stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
+                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
+                           sm_scale, block_size, split_size,
+                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_INT8: tl.constexpr,
+                           IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    start = split * split_size
+    if start >= seq_len:
+        return
+    end = tl.minimum(start + split_size, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs < end
+        block = tl.load(block_tables_ptr + seq * stride_bt + offs // block_size, mask=n_mask, other=0)
+        slot = offs % block_size
+        kv_off = block[:, None] * stride_cb + slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_INT8:
+            scale_off = block * stride_sb + slot * stride_ss + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if KV_INT8:
+            s = s * k_scale[None, :]
+        s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp(m_i - m_new)
+        p = tl.exp(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            p = p * v_scale[None, :]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / l_i[:, None]
+    lse = m_i + tl.log(l_i)
+    out_ptrs = part_out_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
+    tl.store(out_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
+    tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_pb, stride_ph, stride_ps,
+                         stride_lb, stride_lh, stride_ot, stride_oh, split_size,
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_splits = tl.cdiv(seq_len, split_size)
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    m = float("-inf")
+    l = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s in range(0, num_splits):
+        lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s)
+        o = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s * stride_ps + d, mask=d_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp(m - m_new)
+        w = tl.exp(lse - m_new)
+        acc = acc * alpha + o * w
+        l = l * alpha + w
+        m = m_new
+    out = tl.where(l > 0, acc / l, 0.0)  # l == 0 only for empty (padding) sequences
+    tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
+                           split_size: int, key_scale: torch.Tensor | None = None,
+                           value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, H, D] (one token per sequence) over paged K/V; returns [B, H, D]. The grid covers `max_seq_len`
+    (pass max_model_len under CUDA-graph capture); splits past a sequence's end exit at once."""
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_splits = max(1, -(-max_seq_len // split_size))
+    part_out = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
+    out = torch.empty_like(q) if out is None else out
+    kv_int8 = key_cache.dtype == torch.int8
+    scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
+    stride_sb, stride_ss = (key_scale.stride(0), key_scale.stride(1)) if kv_int8 else (0, 0)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
+        q, key_cache, value_cache, scales[0], scales[1], block_tables, seq_lens, part_out, part_lse,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), stride_sb,
+        stride_ss, block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), scale, key_cache.shape[1], split_size,
+        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
+        BLOCK_N=BLOCK_N, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    _decode_merge_kernel[(batch, num_heads)](
+        part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), split_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d)
+    return out

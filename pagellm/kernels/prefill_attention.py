@@ -1,0 +1,102 @@
+"""Triton: attention of a chunk of query tokens over paged K/V (chunked prefill, prefix-cache hits, mixed batches).
+
+Grid (sequence, query head, query tile). Query i of a sequence with context c = seq_len - query_len sees keys
+j <= c + i (causal, lower-right aligned); key tiles past the tile's last visible key are skipped.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, qsl_ptr,
+                    seq_lens_ptr, out_ptr, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
+                    stride_bt, stride_ot, stride_oh, sm_scale, block_size,
+                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, KV_INT8: tl.constexpr, IEEE: tl.constexpr):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    tile = tl.program_id(2)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    context = seq_len - q_len
+    kv_head = head // GROUP
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_mask = rows < q_len
+    d = tl.arange(0, BLOCK_D)
+    d_mask = d < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+                mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
+    for n0 in range(0, kv_end, BLOCK_N):
+        offs = n0 + tl.arange(0, BLOCK_N)
+        n_mask = offs < kv_end
+        block = tl.load(block_tables_ptr + seq * stride_bt + offs // block_size, mask=n_mask, other=0)
+        slot = offs % block_size
+        kv_off = block[:, None] * stride_cb + slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
+        kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if KV_INT8:
+            scale_off = block * stride_sb + slot * stride_ss + kv_head
+            k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)
+            v_scale = tl.load(v_scale_ptr + scale_off, mask=n_mask, other=0.0)
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        if KV_INT8:
+            s = s * k_scale[None, :]
+        visible = (offs[None, :] <= context + rows[:, None]) & n_mask[None, :]
+        s = tl.where(visible, s * sm_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing: avoid inf - inf
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_INT8:
+            p = p * v_scale[None, :]
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            scale: float, max_query_len: int, key_scale: torch.Tensor | None = None,
+                            value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `reference.paged_attention`: flat q [T, H, D]; sequence b owns the tokens
+    query_start_loc[b]:[b+1] (offsets into q and out). Returns [T, H, D]."""
+    num_tokens, num_heads, head_dim = q.shape
+    out = torch.empty_like(q) if out is None else out
+    batch = seq_lens.numel()
+    kv_int8 = key_cache.dtype == torch.int8
+    scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
+    stride_sb, stride_ss = (key_scale.stride(0), key_scale.stride(1)) if kv_int8 else (0, 0)
+    block_m = 64 if max_query_len > 32 else 16
+    grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
+    _prefill_kernel[grid](
+        q, key_cache, value_cache, scales[0], scales[1], block_tables, query_start_loc, seq_lens, out,
+        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), stride_sb,
+        stride_ss, block_tables.stride(0), out.stride(0), out.stride(1), scale, key_cache.shape[1],
+        GROUP=num_heads // key_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_N=64, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+    return out

@@ -1,0 +1,158 @@
+"""Each Triton kernel against its plain-torch twin in `kernels/reference.py` on random inputs.
+
+On CPU these run through the Triton interpreter (fp16/fp32; bf16 loads are wrong there); on a GPU the same tests
+run natively and add bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels import reference
+from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
+from pagellm.kernels.kv_write import write_kv
+from pagellm.kernels.prefill_attention import paged_prefill_attention
+from pagellm.kernels.rmsnorm import rms_norm
+from pagellm.kernels.rope import apply_rope_
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12)).item()
+
+
+def make_cache(num_blocks, block_size, kv_heads, dim, kv_dtype, gen):
+    shape = (num_blocks, block_size, kv_heads, dim)
+    k, v = torch.zeros(shape, dtype=kv_dtype, device=DEVICE), torch.zeros(shape, dtype=kv_dtype, device=DEVICE)
+    scales = (torch.zeros(shape[:3], device=DEVICE), torch.zeros(shape[:3], device=DEVICE)) \
+        if kv_dtype == torch.int8 else (None, None)
+    return k, v, scales
+
+
+def fill_sequences(seq_lens, block_size, num_blocks, kv_heads, dim, dtype, kv_dtype, gen):
+    """Random K/V for each sequence written through the reference into shuffled blocks; returns the cache and
+    block tables."""
+    key_cache, value_cache, scales = make_cache(num_blocks, block_size, kv_heads, dim, kv_dtype, gen)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    max_blocks = max(-(-s // block_size) for s in seq_lens)
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    for i, s in enumerate(seq_lens):
+        blocks = [perm.pop() for _ in range(-(-s // block_size))]
+        tables[i, :len(blocks)] = torch.tensor(blocks)
+        pos = torch.arange(s)
+        slots = (torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size).to(DEVICE)
+        k = torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+        v = torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, dtype)
+        reference.write_kv(k, v, key_cache, value_cache, slots, *scales)
+    return key_cache, value_cache, scales, tables.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (16, 2, 64), (8, 1, 64)])
+def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(heads * dim + kv_int8)
+    block_size = 16
+    seq_lens = [1, 15, 16, 17, 100, 1100]  # odd, block-boundary, and longer than one split
+    kv_dtype = torch.int8 if kv_int8 else dtype
+    key_cache, value_cache, scales, tables = fill_sequences(seq_lens, block_size, 128, kv_heads, dim, dtype,
+                                                            kv_dtype, gen)
+    q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(DEVICE, dtype)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
+                                    value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
+                                    1, max(seq_lens), *scales)
+    split = split_size_for(2048)
+    out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, max(seq_lens), split, *scales)
+    assert rel_err(out, ref) < TOL[dtype]
+    # A grid sized for a longer max length (as under CUDA-graph capture) gives the same result.
+    wide = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, 2048, split, *scales)
+    assert torch.equal(wide, out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (8, 1, 64)])
+def test_prefill_attention(dtype, kv_int8, heads, kv_heads, dim):
+    gen = torch.Generator().manual_seed(heads + dim + kv_int8)
+    block_size = 16
+    # (query_len, seq_len): whole prompts, chunks after a cached prefix, decode rows mixed in.
+    seqs = [(7, 7), (33, 33), (20, 52), (1, 40), (16, 16), (70, 90)]
+    kv_dtype = torch.int8 if kv_int8 else dtype
+    key_cache, value_cache, scales, tables = fill_sequences([s for _, s in seqs], block_size, 64, kv_heads, dim,
+                                                            dtype, kv_dtype, gen)
+    q_lens = [q for q, _ in seqs]
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(DEVICE, dtype)
+    qsl = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    lens = torch.tensor([s for _, s in seqs], dtype=torch.int32, device=DEVICE)
+    ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
+                                    value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
+                                    max(q_lens), max(lens.tolist()), *scales)
+    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, dim ** -0.5, max(q_lens), *scales)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("kv_heads,dim", [(1, 64), (4, 128), (3, 80)])
+def test_write_kv(dtype, kv_int8, kv_heads, dim):
+    gen = torch.Generator().manual_seed(dim)
+    kv_dtype = torch.int8 if kv_int8 else dtype
+    tokens = 37
+    # A strided view, as the model passes slices of the fused qkv output.
+    qkv = torch.randn(tokens, 3 * kv_heads * dim, generator=gen).to(DEVICE, dtype)
+    k = qkv[:, :kv_heads * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, kv_heads * dim:2 * kv_heads * dim].view(tokens, kv_heads, dim)
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens].to(DEVICE)
+    slots[5] = -1  # padding
+    ref_cache = make_cache(8, 16, kv_heads, dim, kv_dtype, gen)
+    out_cache = make_cache(8, 16, kv_heads, dim, kv_dtype, gen)
+    reference.write_kv(k, v, ref_cache[0], ref_cache[1], slots, *ref_cache[2])
+    write_kv(k, v, out_cache[0], out_cache[1], slots, *out_cache[2])
+    if kv_int8:
+        for ref_scale, out_scale in zip(ref_cache[2], out_cache[2]):
+            assert torch.allclose(out_scale, ref_scale, rtol=1e-6, atol=0)
+        # Quantized values agree except where division rounding lands within an ulp of a .5 boundary.
+        for ref_q, out_q in zip(ref_cache[:2], out_cache[:2]):
+            diff = (ref_q.int() - out_q.int()).abs()
+            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+    else:
+        assert torch.equal(out_cache[0], ref_cache[0]) and torch.equal(out_cache[1], ref_cache[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(hidden)
+    x = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype)
+    residual = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    ref_out, ref_res = reference.rms_norm(x, weight, 1e-5, residual)
+    out, res = rms_norm(x, weight, 1e-5, residual)
+    assert rel_err(out, ref_out) < TOL[dtype]
+    assert torch.equal(res, ref_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 32)])
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+def test_rope(dtype, heads, kv_heads, dim, rope_type):
+    from pagellm.config import RopeConfig
+    from pagellm.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(dim + heads)
+    rope = RopeConfig(theta=500000.0, rope_type=rope_type, factor=8.0, original_max_position_embeddings=256)
+    cache = RotaryEmbedding(dim, 4096, rope).cos_sin_cache.to(DEVICE)
+    tokens = 19
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, :heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
+    ref_q, ref_k = reference.apply_rope(q.float(), k.float(), positions, cache)
+    apply_rope_(q, k, positions, cache)
+    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
