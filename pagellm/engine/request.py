@@ -43,7 +43,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Hash of each full block of this request's tokens, in order (filled as blocks fill up).
     block_hashes: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # seeded requests: made on the model's device by the runner
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     logprobs: list[PositionLogprobs] | None = None
@@ -53,8 +53,6 @@ class Request:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
 
     def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
         if self.sampling_params.logprobs is not None:
             self.logprobs = []
 

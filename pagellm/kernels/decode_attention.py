@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 BLOCK_N = 64  # context tokens per tile
-MIN_SPLIT = 512  # context tokens per split, at least
+MIN_SPLIT = 256  # context tokens per split, at least
 MAX_SPLITS = 64
 
 
@@ -125,7 +125,8 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stri
 def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                            split_size: int, key_scale: torch.Tensor | None = None,
-                           value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                           value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                           block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) over paged K/V; returns [B, H, D]. The grid covers `max_seq_len`
     (pass max_model_len under CUDA-graph capture); splits past a sequence's end exit at once."""
     batch, num_heads, head_dim = q.shape
@@ -145,7 +146,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         stride_ss, block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), scale, key_cache.shape[1], split_size,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        BLOCK_N=block_n, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, num_warps=num_warps,
+        num_stages=num_stages)
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), split_size,

@@ -1,0 +1,90 @@
+"""Latency on the GPU with dummy weights: batch-1 and batch-16 decode tokens/s, time to first token, and cold start
+(from `LLM(...)` to the first token, CUDA graphs included), against the weight-bandwidth limit.
+
+    python benchmarks/latency.py --models Qwen3-0.6B Llama-3.1-8B
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.models import model_dir, weight_bytes  # noqa: E402
+from pagellm import LLM, SamplingParams  # noqa: E402
+
+COLD_START = """
+import sys, time
+t0 = time.perf_counter()
+from pagellm import LLM, SamplingParams
+llm = LLM(sys.argv[1], load_format="dummy", max_model_len=4096, max_num_seqs=64, quiet=True)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
+print(time.perf_counter() - t0)
+"""
+
+
+def decode_rate(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> tuple[float, float]:
+    """(decode tokens/s over the batch, median time to first token in ms)."""
+    gen = torch.Generator().manual_seed(batch)
+    prompts = [torch.randint(0, 30000, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
+    llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    first = min(o.metrics.first_token_time for o in outs)
+    last = max(o.metrics.last_token_time for o in outs)
+    ttft = statistics.median((o.metrics.first_token_time - o.metrics.arrival_time) * 1000 for o in outs)
+    return batch * (new_tokens - 1) / (last - first), ttft
+
+
+def cold_start(path: str, fresh_triton_cache: bool) -> float:
+    import os
+    import tempfile
+
+    env = dict(os.environ)
+    if fresh_triton_cache:
+        env["TRITON_CACHE_DIR"] = tempfile.mkdtemp()
+    out = subprocess.run([sys.executable, "-c", COLD_START, path], capture_output=True, text=True, env=env,
+                         cwd=Path(__file__).resolve().parent.parent, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
+    parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    rows = []
+    for name in args.models:
+        path = model_dir(name)
+        cold_fresh = cold_start(path, fresh_triton_cache=True)
+        cold_warm = cold_start(path, fresh_triton_cache=False)
+        llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quiet=True)
+        b1, ttft = decode_rate(llm, 1, 128, args.new_tokens)
+        b16, ttft16 = decode_rate(llm, 16, 128, args.new_tokens)
+        limit = args.bandwidth / weight_bytes(name)
+        rows.append({"model": name, "b1_tok_s": b1, "b1_limit_tok_s": limit, "b1_%_of_limit": 100 * b1 / limit,
+                     "b16_tok_s": b16, "ttft_ms_128": ttft, "ttft_ms_b16": ttft16,
+                     "cold_start_s": cold_fresh, "cold_start_warm_triton_cache_s": cold_warm})
+        del llm
+        gc.collect()
+        torch.cuda.empty_cache()
+    columns = ["model", "b1_tok_s", "b1_limit_tok_s", "b1_%_of_limit", "b16_tok_s", "ttft_ms_128", "ttft_ms_b16",
+               "cold_start_s", "cold_start_warm_triton_cache_s"]
+    table = markdown_table(rows, columns)
+    write_results("latency", {"environment": environment(), "rows": rows, "new_tokens": args.new_tokens,
+                              "note": "dummy weights, bf16, CUDA graphs on, max_model_len 4096"}, table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
