@@ -16,15 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N = 64  # context tokens per tile
-MIN_SPLIT = 256  # context tokens per split, at least
+# Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
+BLOCK_N = {False: 32, True: 128}  # context tokens per tile, by "K/V are int8"
+MIN_SPLIT = 512  # context tokens per split, at least
 MAX_SPLITS = 64
 
 
 def split_size_for(max_model_len: int) -> int:
     """Tokens per split: at least MIN_SPLIT, and few enough splits that a max-length grid stays small."""
     size = max(MIN_SPLIT, -(-max_model_len // MAX_SPLITS))
-    return -(-size // BLOCK_N) * BLOCK_N
+    tile = max(BLOCK_N.values())
+    return -(-size // tile) * tile
 
 
 @triton.jit
@@ -126,7 +128,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
                            split_size: int, key_scale: torch.Tensor | None = None,
                            value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                           block_n: int = BLOCK_N, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) over paged K/V; returns [B, H, D]. The grid covers `max_seq_len`
     (pass max_model_len under CUDA-graph capture); splits past a sequence's end exit at once."""
     batch, num_heads, head_dim = q.shape
@@ -140,6 +142,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
     stride_sb, stride_ss = (key_scale.stride(0), key_scale.stride(1)) if kv_int8 else (0, 0)
     block_d = triton.next_power_of_2(head_dim)
+    block_n = block_n or BLOCK_N[kv_int8]
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q, key_cache, value_cache, scales[0], scales[1], block_tables, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), stride_sb,
