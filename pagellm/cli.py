@@ -98,6 +98,32 @@ def cmd_serve(args: argparse.Namespace) -> None:
         llm.shutdown()
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from pagellm.training.train import TrainConfig, Trainer
+
+    cfg = TrainConfig(data=args.data, output=args.output, preset=args.preset, max_steps=args.max_steps,
+                      vocab_size=args.vocab_size, batch_size=args.batch_size, lr=args.lr,
+                      warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every,
+                      seed=args.seed, device=args.device, quiet=args.quiet)
+    history = Trainer(cfg, resume=args.resume).train()
+    print(f"validation loss {history['val'][0][1]:.3f} -> {history['val'][-1][1]:.3f}; "
+          f"model in {args.output} (loss curve: {args.output}/loss.png)")
+
+
+def cmd_convert(args: argparse.Namespace) -> None:
+    if (args.checkpoint is None) == (args.gguf is None):
+        raise ValueError("convert: give exactly one of --checkpoint and --gguf")
+    if args.checkpoint is not None:
+        from pagellm.training.export import export_checkpoint
+
+        out = export_checkpoint(args.checkpoint, args.output)
+    else:
+        from pagellm.model.gguf_convert import convert_gguf
+
+        out = convert_gguf(args.gguf, args.output, quiet=args.quiet)
+    print(f"HF model directory: {out}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagellm", description="pagellm: paged-KV LLM inference")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +149,30 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    train = sub.add_parser("train", help="train a tokenizer and a small Llama on TinyStories-format text")
+    train.add_argument("--data", required=True, help=".txt (<|endoftext|>-separated), .json, .jsonl, .parquet or a dir")
+    train.add_argument("--output", required=True, help="output directory (an HF checkpoint + checkpoint.pt)")
+    train.add_argument("--preset", default="tiny", choices=["tiny", "15m", "110m"])
+    train.add_argument("--max-steps", type=int, default=1000)
+    train.add_argument("--vocab-size", type=int, default=None)
+    train.add_argument("--batch-size", type=int, default=16)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--warmup-steps", type=int, default=50)
+    train.add_argument("--eval-every", type=int, default=100)
+    train.add_argument("--save-every", type=int, default=200)
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--device", default=None)
+    train.add_argument("--resume", action="store_true", help="continue from OUTPUT/checkpoint.pt")
+    train.add_argument("--quiet", action="store_true")
+    train.set_defaults(func=cmd_train)
+
+    convert = sub.add_parser("convert", help="training checkpoint or GGUF file -> HF model directory")
+    convert.add_argument("--checkpoint", default=None, help="checkpoint.pt or the training output directory")
+    convert.add_argument("--gguf", default=None, help="a .gguf file")
+    convert.add_argument("--output", required=True)
+    convert.add_argument("--quiet", action="store_true")
+    convert.set_defaults(func=cmd_convert)
     return parser
 
 
