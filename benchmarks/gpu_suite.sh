@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# What one device call runs (the GPU machine has torch/triton/transformers but not this package installed).
+#   bash benchmarks/gpu_suite.sh engine   # GPU tests, offline throughput vs HF, kernel benchmarks
+#   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus, latency benchmarks
+set -uo pipefail
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+case "$1" in
+engine)
+  timeout 120 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/gpu \
+    > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
+  timeout 330 python3 benchmarks/throughput.py --models Qwen3-0.6B Llama-3.1-8B --hf-requests 64 \
+    > "$OUT/throughput.log" 2>&1; echo "throughput rc=$?"; tail -5 "$OUT/throughput.log"
+  timeout 90 python3 benchmarks/kernels.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
+  cp benchmarks/results/throughput-* benchmarks/results/kernels-* "$OUT/" ;;
+train)
+  python3 -c "from pagellm.training.corpus import *; write_corpus('/tmp/corpus/TinyStories-train.txt', generate_stories(20000))"
+  timeout 200 python3 -m pagellm.cli train --data /tmp/corpus/TinyStories-train.txt --output /tmp/s15m \
+    --preset 15m --vocab-size 4096 --max-steps 1500 --batch-size 64 --eval-every 250 --save-every 1500 \
+    --quiet > "$OUT/train.log" 2>&1; echo "train rc=$?"; tail -3 "$OUT/train.log"
+  python3 - <<'PY'
+import json, os, shutil, torch
+from safetensors.torch import load_file, save_file
+out = os.environ.get("OUT", "/tmp/out")
+w = load_file("/tmp/s15m/model.safetensors")
+save_file({k: v.to(torch.bfloat16) for k, v in w.items()}, f"{out}/model.safetensors", metadata={"format": "pt"})
+for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "loss.png",
+          "metrics.json"):
+    shutil.copy(f"/tmp/s15m/{f}", out)
+PY
+  timeout 300 python3 benchmarks/latency.py --models Qwen3-0.6B Llama-3.1-8B > "$OUT/latency.log" 2>&1
+  echo "latency rc=$?"; tail -5 "$OUT/latency.log"; cp benchmarks/results/latency-* "$OUT/" ;;
+esac
