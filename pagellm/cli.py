@@ -106,8 +106,9 @@ def cmd_train(args: argparse.Namespace) -> None:
                       warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every,
                       seed=args.seed, device=args.device, quiet=args.quiet)
     history = Trainer(cfg, resume=args.resume).train()
-    print(f"validation loss {history['val'][0][1]:.3f} -> {history['val'][-1][1]:.3f}; "
-          f"model in {args.output} (loss curve: {args.output}/loss.png)")
+    print(f"validation loss {history['val'][0][1]:.3f} -> {history['val'][-1][1]:.3f}, "
+          f"{history['tokens_per_second']:,.0f} training tokens/s; model in {args.output} "
+          f"(loss curve: {args.output}/loss.png)")
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

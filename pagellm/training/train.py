@@ -177,7 +177,8 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=self.step, desc="Training", disable=cfg.quiet)
         if self.step == 0:
             self.history["val"].append((0, self.evaluate()))
-        last = time.perf_counter()
+        last = started = time.perf_counter()
+        first_step = self.step
         while self.step < stop:
             loss = self._loss(self._batch(self.train_stream))
             self.optimizer.zero_grad(set_to_none=True)
@@ -197,6 +198,8 @@ class Trainer:
             if self.step % cfg.save_every == 0 or self.step == stop:
                 self.save()
         bar.close()
+        elapsed = time.perf_counter() - started
+        self.history["tokens_per_second"] = (self.step - first_step) * tokens_per_step / max(elapsed, 1e-9)
         (self.out / "metrics.json").write_text(json.dumps(self.history))
         return self.history
 
