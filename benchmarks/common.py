@@ -14,7 +14,7 @@ RESULTS = Path(__file__).parent / "results"
 
 def environment() -> dict:
     env = {
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),

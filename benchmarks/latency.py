@@ -11,7 +11,6 @@ import gc
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch

@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import RESULTS, environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 
 TOPICS = ["a lighthouse", "the moon", "a lost key", "a robot chef", "an old map", "a thunderstorm", "a tiny dragon",
           "the ocean", "a secret garden", "a time machine"]

@@ -42,8 +42,8 @@ def run_pagellm(path: str, prompts: list[list[int]], out_lens: list[int], **kwar
     assert generated == sum(out_lens)
     stats = llm.engine.stats()
     result = {"elapsed_s": elapsed, "output_tok_s": generated / elapsed,
-              "total_tok_s": (generated + sum(map(len, prompts))) / elapsed, "kv_blocks": llm.engine.kv_cache.num_blocks,
-              "preemptions": stats.num_preemptions}
+              "total_tok_s": (generated + sum(map(len, prompts))) / elapsed,
+              "kv_blocks": llm.engine.kv_cache.num_blocks, "preemptions": stats.num_preemptions}
     del llm
     gc.collect()
     torch.cuda.empty_cache()

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.engine.kv_cache_manager import KVCacheManager
-from pagellm.errors import InvalidParameter
 from pagellm.engine.request import Request, RequestStatus
 from pagellm.engine.scheduler import Scheduler
+from pagellm.errors import InvalidParameter
 from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.runner.model_runner import ModelRunner

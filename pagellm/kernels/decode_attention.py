@@ -109,7 +109,7 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stri
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     m = float("-inf")
-    l = 0.0
+    total = 0.0
     acc = tl.zeros([BLOCK_D], tl.float32)
     for s in range(0, num_splits):
         lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s)
@@ -118,9 +118,9 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stri
         alpha = tl.exp(m - m_new)
         w = tl.exp(lse - m_new)
         acc = acc * alpha + o * w
-        l = l * alpha + w
+        total = total * alpha + w
         m = m_new
-    out = tl.where(l > 0, acc / l, 0.0)  # l == 0 only for empty (padding) sequences
+    out = tl.where(total > 0, acc / total, 0.0)  # l == 0 only for empty (padding) sequences
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 

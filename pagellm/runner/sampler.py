@@ -12,7 +12,6 @@ import torch
 
 from pagellm.sampling_params import SamplingParams
 
-
 # A scored token: (its logprob, its rank, the top-N [(token, logprob)] of its row).
 TokenScore = tuple[float, int, list[tuple[int, float]]]
 
