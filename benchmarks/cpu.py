@@ -84,7 +84,9 @@ def main() -> None:
         row["speedup"] = row["pagellm_tok_s"] / row["hf_tok_s"]
         rows.append(row)
     # The floor at batch 1: every weight byte streams from memory once per token.
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    model = llm.engine.runner.model  # packed linear weights are buffers; the tied LM head is a packed copy
+    tensors = [t for _, t in model.named_parameters()] + [t for n, t in model.named_buffers() if "weight" in n]
+    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     table = markdown_table(rows, ["batch", "new_tokens", "pagellm_tok_s", "hf_tok_s", "speedup"])
     payload = {"environment": environment(), "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
                "weight_bytes": weight_bytes, "rows": rows, "repeats": args.repeats}

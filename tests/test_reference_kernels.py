@@ -40,8 +40,8 @@ def test_paged_attention_matches_dense(kv_dtype, heads, kv_heads):
         slots = torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size
         reference.write_kv(k, v, key_cache, value_cache, slots, *scales)
         if kv_dtype == torch.int8:  # compare against what the cache holds after quantization
-            k = reference.gather_kv(key_cache, scales[0], torch.tensor([blocks]), s_len, torch.float32)[0]
-            v = reference.gather_kv(value_cache, scales[1], torch.tensor([blocks]), s_len, torch.float32)[0]
+            k = reference.gather_kv(key_cache, scales[0], slots[None], torch.float32)[0]
+            v = reference.gather_kv(value_cache, scales[1], slots[None], torch.float32)[0]
         q = torch.randn(q_len, heads, dim, generator=gen)
         qs.append(q)
         expected.append(dense_attention(q, k, v, dim ** -0.5))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -50,53 +52,74 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     [num_blocks, block_size, Hkv, D]; slot -1 is padding and skipped. INT8 caches get per-token, per-head
     scales in key_scale/value_scale [num_blocks, block_size, Hkv]."""
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    key, value = key[keep], value[keep]
+    if not bool(keep.all()):
+        slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
     flat_k = key_cache.view(-1, *key_cache.shape[2:])
     flat_v = value_cache.view(-1, *value_cache.shape[2:])
     if key_cache.dtype == torch.int8:
         qk, sk = quantize_int8(key)
         qv, sv = quantize_int8(value)
-        flat_k[slots], flat_v[slots] = qk, qv
-        key_scale.view(-1, key_scale.shape[-1])[slots] = sk
-        value_scale.view(-1, value_scale.shape[-1])[slots] = sv
+        flat_k[slot_mapping], flat_v[slot_mapping] = qk, qv
+        key_scale.view(-1, key_scale.shape[-1])[slot_mapping] = sk
+        value_scale.view(-1, value_scale.shape[-1])[slot_mapping] = sv
     else:
-        flat_k[slots] = key.to(key_cache.dtype)
-        flat_v[slots] = value.to(value_cache.dtype)
+        flat_k[slot_mapping] = key.to(key_cache.dtype)
+        flat_v[slot_mapping] = value.to(value_cache.dtype)
 
 
-def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_tables: torch.Tensor, max_seq_len: int,
+@dataclass
+class AttentionPlan:
+    """What every layer's reference attention needs and only the batch decides: computed once per step."""
+
+    key_slots: torch.Tensor  # [B, L] flat cache slot of each sequence's key j (L = max_seq_len)
+    mask: torch.Tensor  # [B, 1, max_q, L] query i of sequence b may see key j
+    seq_of_token: torch.Tensor  # [T] which sequence each flat query token belongs to
+    row_of_token: torch.Tensor  # [T] its row within that sequence's queries
+    max_query_len: int
+
+
+def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                   block_size: int, max_query_len: int, max_seq_len: int) -> AttentionPlan:
+    device = seq_lens.device
+    batch, num_tokens = seq_lens.numel(), int(query_start_loc[-1])
+    key_pos = torch.arange(max_seq_len, device=device)
+    key_slots = block_tables.long()[:, key_pos // block_size] * block_size + key_pos % block_size
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), query_lens, output_size=num_tokens)
+    row_of_token = torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
+    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)[None]
+    mask = (key_pos[None, None] <= query_pos[..., None]) & (key_pos[None, None] < seq_lens[:, None, None])
+    return AttentionPlan(key_slots, mask[:, None], seq_of_token, row_of_token, max_query_len)
+
+
+def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, key_slots: torch.Tensor,
               dtype: torch.dtype) -> torch.Tensor:
-    """Contiguous [B, max_seq_len, Hkv, D] copy of each sequence's cached keys or values (dequantized)."""
-    block_size = cache.shape[1]
-    num_blocks = -(-max_seq_len // block_size)
-    table = block_tables[:, :num_blocks].long()
-    batch = table.shape[0]
-    out = cache[table].reshape(batch, num_blocks * block_size, *cache.shape[2:])[:, :max_seq_len]
+    """Contiguous [B, L, Hkv, D] copy of each sequence's cached keys or values (dequantized)."""
+    out = cache.view(-1, *cache.shape[2:])[key_slots]
     if cache.dtype == torch.int8:
-        s = scale[table].reshape(batch, num_blocks * block_size, -1)[:, :max_seq_len]
-        return (out.float() * s[..., None]).to(dtype)
+        return (out.float() * scale.view(-1, scale.shape[-1])[key_slots][..., None]).to(dtype)
     return out.to(dtype)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                     scale: float, max_query_len: int, max_seq_len: int,
-                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None,
+                    plan: AttentionPlan | None = None) -> torch.Tensor:
     """Attention of flat queries q [T, H, D] over paged K/V, causal with a query offset: query i of a sequence
-    with context c = seq_len - query_len sees keys j <= c + i. Returns [T, H, D]."""
+    with context c = seq_len - query_len sees keys j <= c + i. Returns [T, H, D]. `plan` (from
+    `plan_attention`) saves recomputing the batch's indices and mask in every layer."""
+    plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, key_cache.shape[1], max_query_len,
+                                  max_seq_len)
     batch = seq_lens.numel()
-    num_tokens, num_heads, head_dim = q.shape
-    keys = gather_kv(key_cache, key_scale, block_tables, max_seq_len, q.dtype)
-    values = gather_kv(value_cache, value_scale, block_tables, max_seq_len, q.dtype)
-    query_lens = query_start_loc[1:] - query_start_loc[:-1]
-    seq_of_token = torch.repeat_interleave(torch.arange(batch, device=q.device), query_lens, output_size=num_tokens)
-    row_of_token = torch.arange(num_tokens, device=q.device) - query_start_loc[seq_of_token]
-    padded_q = q.new_zeros(batch, max_query_len, num_heads, head_dim)
-    padded_q[seq_of_token, row_of_token] = q
-    query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=q.device)[None]
-    key_pos = torch.arange(max_seq_len, device=q.device)
-    mask = (key_pos[None, None] <= query_pos[..., None]) & (key_pos[None, None] < seq_lens[:, None, None])
-    out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                         attn_mask=mask[:, None], scale=scale, enable_gqa=True)
-    return out.transpose(1, 2)[seq_of_token, row_of_token]
+    keys = gather_kv(key_cache, key_scale, plan.key_slots, q.dtype).transpose(1, 2)
+    values = gather_kv(value_cache, value_scale, plan.key_slots, q.dtype).transpose(1, 2)
+    if plan.max_query_len == 1:  # decode: one query per sequence, nothing to pad
+        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=plan.mask[:, :, 0, None],
+                                             scale=scale, enable_gqa=True)
+        return out[:, :, 0]
+    padded_q = q.new_zeros(batch, plan.max_query_len, *q.shape[1:])
+    padded_q[plan.seq_of_token, plan.row_of_token] = q
+    out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values, attn_mask=plan.mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(1, 2)[plan.seq_of_token, plan.row_of_token]

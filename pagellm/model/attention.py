@@ -25,6 +25,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int  # host-side bound for kernel grids (max_model_len under CUDA-graph capture)
     num_decodes: int = 0  # the first num_decodes sequences have one query token each
+    reference_plan: reference.AttentionPlan | None = None  # the torch backend's per-step indices and mask
 
     @property
     def is_decode_only(self) -> bool:
@@ -56,6 +57,9 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 class AttentionBackend(Protocol):
     name: str
 
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        """Per-step work shared by all layers (called once before the forward pass)."""
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
@@ -65,12 +69,17 @@ class TorchAttentionBackend:
 
     name = "torch"
 
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        metadata.reference_plan = reference.plan_attention(metadata.block_tables, metadata.query_start_loc,
+                                                           metadata.seq_lens, block_size, metadata.max_query_len,
+                                                           metadata.max_seq_len)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         reference.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
         return reference.paged_attention(q, cache.key, cache.value, metadata.block_tables, metadata.query_start_loc,
                                          metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len,
-                                         cache.key_scale, cache.value_scale)
+                                         cache.key_scale, cache.value_scale, plan=metadata.reference_plan)
 
 
 class TritonAttentionBackend:
@@ -83,6 +92,9 @@ class TritonAttentionBackend:
         from pagellm.kernels.decode_attention import split_size_for
 
         self.split_size = split_size_for(max_model_len)
+
+    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
+        pass  # the kernels read the metadata tensors directly
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -100,6 +100,7 @@ class ModelRunner:
             query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             max_query_len=num_tokens, max_seq_len=num_tokens)
+        self.backend.prepare(metadata, self.block_size)
         hidden = self.model(ids, positions, metadata, caches)
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
@@ -124,6 +125,7 @@ class ModelRunner:
         if self.graphs is not None and self.graphs.can_run(inputs):
             logits = self.graphs.run(inputs)  # pure decode: every row samples, in order
         else:
+            self.backend.prepare(inputs.metadata, self.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = RunnerOutput()
