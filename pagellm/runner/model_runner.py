@@ -49,6 +49,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.backend = get_backend("triton" if self.device.type == "cuda" else "torch", max_model_len)
         max_positions = max(max_model_len, model_config.max_position_embeddings)
+        # What this process held on the GPU before this engine: other engines' memory is not ours to count.
+        self._gpu_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         with _default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(model_config)(model_config, self.backend, max_positions)
         load_weights(self.model, model_dir, engine_config.load_format, engine_config.seed, engine_config.quiet)
@@ -74,17 +76,22 @@ class ModelRunner:
         return max(1, min(int(budget // bytes_per_block), most_useful))
 
     def _gpu_kv_budget(self, max_model_len: int) -> float:
-        """Bytes left for the KV cache, like vLLM: gpu_memory_utilization of the card, minus what the weights and
-        a max-size forward pass (one prefill of max_num_batched_tokens, plus sampling max_num_seqs rows) peak at;
-        memory other processes hold counts against it too."""
+        """Bytes for the KV cache, like vLLM: this engine may use gpu_memory_utilization of the card, of which its
+        weights and a max-size forward pass (one prefill of max_num_batched_tokens, plus sampling max_num_seqs
+        rows) take their peak; and no more than is free, leaving room for the activations."""
         cfg = self.engine_config
-        free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        weights = torch.cuda.memory_allocated(self.device) - self._gpu_baseline
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(min(cfg.max_num_batched_tokens or 8192, max_model_len))
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._gpu_baseline
         torch.cuda.empty_cache()
-        return cfg.gpu_memory_utilization * total - peak - used_by_others
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = min(cfg.gpu_memory_utilization * total - peak, free - (peak - weights))
+        if budget <= 0:
+            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no room for the KV cache "
+                             f"(weights + activations peak at {peak / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free): "
+                             "raise it, or lower max_num_batched_tokens")
+        return budget
 
     @torch.inference_mode()
     def _profile_run(self, num_tokens: int) -> None:
