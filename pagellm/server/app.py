@@ -20,7 +20,7 @@ from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.errors import InvalidParameter
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from pagellm.server.serving import OpenAIServing
+from pagellm.server.serving import Job, OpenAIServing
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
@@ -93,23 +93,21 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
                                             "owned_by": "pagellm", "max_model_len": llm.max_model_len}]}
 
+    async def respond(job: Job, stream: bool, request: Request):
+        if stream:
+            return StreamingResponse(serving.stream(job), media_type="text/event-stream")
+        result = await serving.run(job, request.is_disconnected)
+        return Response(status_code=499) if result is None else result  # the client left
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        job = serving.completion_job(body)
-        if body.stream:
-            return StreamingResponse(serving.stream(job), media_type="text/event-stream")
-        result = await serving.run(job, request.is_disconnected)
-        return Response(status_code=499) if result is None else result
+        return await respond(serving.completion_job(body), body.stream, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        job = serving.chat_job(body)
-        if body.stream:
-            return StreamingResponse(serving.stream(job), media_type="text/event-stream")
-        result = await serving.run(job, request.is_disconnected)
-        return Response(status_code=499) if result is None else result
+        return await respond(serving.chat_job(body), body.stream, request)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:
