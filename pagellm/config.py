@@ -23,6 +23,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per step when max_num_batched_tokens is not given
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
@@ -164,6 +165,11 @@ class EngineConfig:
                "in (0, 1]")
         _check(self.load_format in ("auto", "dummy", "safetensors", "gguf"), "load_format", self.load_format,
                "'auto', 'safetensors', 'gguf' or 'dummy'")
+
+    @property
+    def token_budget(self) -> int:
+        """Tokens one step may schedule (prefill chunks and decodes together)."""
+        return self.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def resolve_device(self) -> torch.device:
         if self.device is None:

@@ -20,8 +20,6 @@ from pagellm.runner.sampler import TokenScore
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import IncrementalDetokenizer, Tokenizer
 
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192
-
 
 @dataclass
 class EngineStats:
@@ -54,8 +52,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.runner.allocate_kv_cache(num_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.token_budget)
         self.eos_token_ids = self._eos_token_ids()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()

@@ -82,7 +82,7 @@ class ModelRunner:
         cfg = self.engine_config
         weights = torch.cuda.memory_allocated(self.device) - self._gpu_baseline
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run(min(cfg.max_num_batched_tokens or 8192, max_model_len))
+        self._profile_run(min(cfg.token_budget, max_model_len))
         peak = torch.cuda.max_memory_allocated(self.device) - self._gpu_baseline
         self._profile_run(16)  # compiles the short-chunk prefill kernel now, not in some request's TTFT
         torch.cuda.empty_cache()
