@@ -6,9 +6,7 @@
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -55,10 +53,8 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
-    bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -94,15 +90,9 @@ class ModelConfig:
             attention_bias=bool(cfg.get("attention_bias", False)) or arch == "Qwen2ForCausalLM",
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=window,
-            bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32").replace("torch.", ""),
-            raw=cfg,
         )
-
-    @classmethod
-    def from_file(cls, path: str | Path) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text()))
 
     def kv_bytes_per_token(self, kv_dtype: torch.dtype) -> int:
         """Bytes one token takes in the KV cache over all layers (INT8 adds one fp32 scale per head)."""

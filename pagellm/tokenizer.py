@@ -43,9 +43,6 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def token_text(self, token_id: int) -> str:
-        return self.hf.convert_ids_to_tokens(token_id) or ""
-
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:
         if not self.hf.chat_template:

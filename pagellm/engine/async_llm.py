@@ -79,13 +79,11 @@ class AsyncLLM:
         """Validate now, on the caller's thread: bad input raises InvalidParameter before anything is queued."""
         return self.engine.make_requests(prompt, params, request_id=uuid.uuid4().hex)
 
-    async def generate(self, prompt: str | list[int] | list[Request], params: SamplingParams | None = None,
-                       ) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs of one request until it finishes; leaving early aborts it."""
+    async def generate(self, requests: list[Request]) -> AsyncIterator[RequestOutput]:
+        """Stream RequestOutputs of one request (its n samples, from `make_requests`) until it finishes; leaving
+        early aborts it."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
-        requests = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], Request) \
-            else self.make_requests(prompt, params or SamplingParams())
         request_id = requests[0].parent_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:

@@ -30,8 +30,11 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    prompt_tokens_total: int
     generation_tokens_total: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
 class Engine:
@@ -56,7 +59,6 @@ class Engine:
         self.eos_token_ids = self._eos_token_ids()
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
-        self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
 
     def _max_model_len_wanted(self) -> int:
@@ -136,7 +138,6 @@ class Engine:
 
     def enqueue(self, children: list[Request]) -> None:
         self._groups[children[0].parent_id] = children
-        self._prompt_tokens_total += children[0].num_prompt_tokens
         for request in children:
             self.scheduler.add(request)
 
@@ -277,7 +278,6 @@ class Engine:
             num_preemptions=self.scheduler.stats.num_preemptions,
             prefix_cache_queries=self.kv_cache.stats.queries,
             prefix_cache_hits=self.kv_cache.stats.hits,
-            prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
         )
 

@@ -27,10 +27,6 @@ class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of which served from cache
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
-
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
@@ -115,10 +111,6 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_ids = []
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in list(self._cached.values()):
-            self._forget_hash(block_id)
 
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -32,7 +32,6 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
-    num_steps: int = 0
 
 
 class Scheduler:
@@ -57,7 +56,6 @@ class Scheduler:
         budget -= out.total_tokens
         if not preempted:  # no room was short this step: admit waiting requests
             self._schedule_waiting(out, budget)
-        self.stats.num_steps += 1
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:

@@ -142,9 +142,8 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         e = llm.stats.engine
         return {"model": model_name, "running": e.num_running, "waiting": e.num_waiting,
                 "kv_cache_usage": e.kv_cache_usage, "tokens_per_second": llm.stats.tokens_per_second,
-                "prefix_cache_hit_rate": e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries
-                else 0.0, "num_preemptions": e.num_preemptions, "generation_tokens_total": e.generation_tokens_total,
-                "max_model_len": llm.max_model_len}
+                "prefix_cache_hit_rate": e.prefix_cache_hit_rate, "num_preemptions": e.num_preemptions,
+                "generation_tokens_total": e.generation_tokens_total, "max_model_len": llm.max_model_len}
 
     @app.get("/")
     async def index() -> FileResponse:

@@ -59,6 +59,6 @@ class ServerMetrics:
         self.running.set(e.num_running)
         self.waiting.set(e.num_waiting)
         self.kv_usage.set(e.kv_cache_usage)
-        self.prefix_hit_rate.set(e.prefix_cache_hits / e.prefix_cache_queries if e.prefix_cache_queries else 0.0)
+        self.prefix_hit_rate.set(e.prefix_cache_hit_rate)
         self.preemptions.set(e.num_preemptions)
         return generate_latest(self.registry)
