@@ -2,7 +2,7 @@
 
 from pagellm.engine.llm import LLM
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
 __version__ = "0.1.0"

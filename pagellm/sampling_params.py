@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, replace
 
 from pagellm.errors import InvalidParameter, invalid_value
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """When the engine reports on a request (vLLM's names): after every new token, or once, when it finishes."""
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -29,6 +37,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: the model's EOS ids, unless ignore_eos.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.runner import sampler as sampler_module
 from pagellm.runner.sampler import Sampler, SamplingBatch, apply_penalties
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
@@ -37,12 +38,26 @@ def test_top_k():
     assert_close_to(sample_counts(SamplingParams(top_k=3)), expected / expected.sum())
 
 
-def test_top_p_keeps_the_smallest_nucleus():
+@pytest.mark.parametrize("rounds", [0, 1, 3], ids=["sorting-only", "one-rejection-round", "default-rounds"])
+def test_top_p_keeps_the_smallest_nucleus(rounds, monkeypatch):
+    # Rounds of rejection sampling, then the sorting path for rows still rejected: every mix gives the same law.
+    monkeypatch.setattr(sampler_module, "NUCLEUS_ROUNDS", rounds)
     probs = torch.softmax(LOGITS, 0)
     # top_p = 0.7: tokens are kept while the mass before them is < 0.7.
     keep = (probs.cumsum(0) - probs) < 0.7
     expected = torch.where(keep, probs, torch.zeros_like(probs))
     assert_close_to(sample_counts(SamplingParams(top_p=0.7)), expected / expected.sum())
+
+
+def test_min_p_then_top_k_then_top_p():
+    probs = torch.softmax(LOGITS / 0.7, 0)
+    probs = torch.where(probs >= 0.1 * probs.max(), probs, torch.zeros_like(probs))  # min_p
+    probs[5:] = 0  # top_k
+    probs = probs / probs.sum()
+    keep = (probs.cumsum(0) - probs) < 0.8  # top_p on what is left
+    expected = torch.where(keep, probs, torch.zeros_like(probs))
+    freq = sample_counts(SamplingParams(temperature=0.7, min_p=0.1, top_k=5, top_p=0.8))
+    assert_close_to(freq, expected / expected.sum())
 
 
 def test_min_p():
@@ -67,12 +82,13 @@ def test_penalties_follow_their_formulas():
 
 def test_seed_reproduces_whatever_the_batch(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
-    seeded = SamplingParams(temperature=1.0, seed=1234, max_tokens=20, ignore_eos=True)
+    # top_p: how many rejection rounds the other rows need must not change the seeded row's draws.
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=20, ignore_eos=True)
     alone = llm.generate([[1, 2, 3]], seeded, use_tqdm=False)[0].outputs[0].token_ids
-    noise = SamplingParams(temperature=1.0, max_tokens=30, ignore_eos=True)
+    noise = SamplingParams(temperature=1.0, top_p=0.5, max_tokens=30, ignore_eos=True)
     crowd = llm.generate([[5, 6], [1, 2, 3], [7, 8, 9, 10, 11]], [noise, seeded, noise], use_tqdm=False)
     assert crowd[1].outputs[0].token_ids == alone
-    other_seed = SamplingParams(temperature=1.0, seed=99, max_tokens=20, ignore_eos=True)
+    other_seed = SamplingParams(temperature=1.0, top_p=0.9, seed=99, max_tokens=20, ignore_eos=True)
     assert llm.generate([[1, 2, 3]], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 

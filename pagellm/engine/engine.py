@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import time
 from dataclasses import dataclass
 
@@ -17,8 +18,10 @@ from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
 from pagellm.runner.model_runner import ModelRunner
 from pagellm.runner.sampler import TokenScore
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -44,8 +47,14 @@ class Engine:
         self.model_config = ModelConfig.from_dict(load_config_dict(self.model_dir))
         self.tokenizer = Tokenizer.from_dir(self.model_dir)
         max_model_len = self._max_model_len_wanted()
+        # Seconds spent in each start-up phase, logged and kept for benchmarks.
+        self.startup_seconds: dict[str, float] = {}
+        start = time.perf_counter()
         self.runner = ModelRunner(self.model_config, config, self.model_dir, max_model_len)
+        self.startup_seconds["load_model"] = time.perf_counter() - start
+        start = time.perf_counter()
         num_blocks = self.runner.determine_num_blocks(max_model_len)
+        self.startup_seconds["profile_memory_and_compile"] = time.perf_counter() - start
         capacity = num_blocks * config.block_size
         if max_model_len > capacity:
             if config.max_model_len is not None:
@@ -53,7 +62,12 @@ class Engine:
                                  f"{capacity} tokens ({num_blocks} blocks of {config.block_size})")
             max_model_len = capacity
         self.max_model_len = max_model_len
+        start = time.perf_counter()
         self.runner.allocate_kv_cache(num_blocks)
+        self.startup_seconds["kv_cache_and_cuda_graphs"] = time.perf_counter() - start
+        if not config.quiet:
+            logger.info("KV cache: %d blocks of %d tokens; start-up %s", num_blocks, config.block_size,
+                        ", ".join(f"{name} {secs:.1f} s" for name, secs in self.startup_seconds.items()))
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs, config.token_budget)
         self.eos_token_ids = self._eos_token_ids()
@@ -157,7 +171,8 @@ class Engine:
     # ---- one step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled batch; returns an output for every request that got a new token or finished."""
+        """Run one scheduled batch; returns an output for every request that got a new token or finished
+        (only finished ones for requests with output_kind FINAL_ONLY)."""
         sched = self.scheduler.schedule()
         if sched.is_empty:
             return []
@@ -173,12 +188,15 @@ class Engine:
                 self._add_prompt_logprobs(request, *result.prompt_logprobs[request.request_id])
             if request.request_id in result.sampled:
                 self._append_token(request, *result.sampled[request.request_id])
-                touched[request.parent_id] = None
+                if request.status.finished or request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                    touched[request.parent_id] = None
         outputs = []
         for parent_id in touched:
             children = self._groups[parent_id]
-            outputs.append(self._output(children))
-            if all(r.status.finished for r in children):
+            finished = all(r.status.finished for r in children)
+            if finished or children[0].sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(children))
+            if finished:
                 del self._groups[parent_id]
         return outputs
 

@@ -71,6 +71,8 @@ class KVCacheManager:
         Returns False, changing nothing, when the pool is short."""
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         needed = cdiv(num_computed + num_new_tokens, self.block_size) - len(request.block_ids) - len(computed_blocks)
+        if needed <= 0 and not computed_blocks:  # most decode steps: the last block still has room
+            return True
         reusable_free = sum(1 for b in computed_blocks if self._blocks[b].ref_count == 0)
         if needed > self.num_free_blocks - reusable_free:
             return False
@@ -86,12 +88,11 @@ class KVCacheManager:
 
     def cache_full_blocks(self, request: Request) -> None:
         """Register the request's computed, full blocks in the prefix cache (called after the forward pass)."""
-        if not self.enable_prefix_caching:
-            return
         num_full = request.num_computed_tokens // self.block_size
+        if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
+            return
         self._hash_full_blocks(request, num_full)
-        tokens = request.all_token_ids
-        for i in range(num_full):
+        for i in range(request.num_registered_blocks, num_full):
             block = self._blocks[request.block_ids[i]]
             if block.block_hash is not None:
                 continue
@@ -99,8 +100,9 @@ class KVCacheManager:
             if block_hash in self._cached:  # same content computed twice (e.g. two requests in one step)
                 continue
             block.block_hash = block_hash
-            block.token_ids = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            block.token_ids = tuple(request.token_slice(i * self.block_size, (i + 1) * self.block_size))
             self._cached[block_hash] = block.block_id
+        request.num_registered_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Drop the request's hold on its blocks. Tail blocks go to the free list first, so shared
@@ -111,6 +113,7 @@ class KVCacheManager:
             if block.ref_count == 0:
                 self._free[block_id] = None
         request.block_ids = []
+        request.num_registered_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self._blocks[block_id]
@@ -125,8 +128,7 @@ class KVCacheManager:
         block.block_hash, block.token_ids = None, None
 
     def _hash_full_blocks(self, request: Request, num_blocks: int) -> None:
-        tokens = request.all_token_ids
         hashes = request.block_hashes
         for i in range(len(hashes), num_blocks):
             parent = hashes[i - 1] if i else None
-            hashes.append(hash((parent, tuple(tokens[i * self.block_size:(i + 1) * self.block_size]))))
+            hashes.append(hash((parent, tuple(request.token_slice(i * self.block_size, (i + 1) * self.block_size)))))

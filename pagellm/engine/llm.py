@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -11,7 +12,7 @@ from pagellm.config import EngineConfig
 from pagellm.engine.engine import Engine
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Messages = list[dict[str, Any]]
@@ -63,7 +64,9 @@ class LLM:
         return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
 
     def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
-        ids = [self.engine.add_request(prompt, params) for prompt, params in work]
+        # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).
+        final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for _, p in work}
+        ids = [self.engine.add_request(prompt, final_only[id(params)]) for prompt, params in work]
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or self.engine.config.quiet)

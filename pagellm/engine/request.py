@@ -43,6 +43,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     # Hash of each full block of this request's tokens, in order (filled as blocks fill up).
     block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     generator: torch.Generator | None = None  # seeded requests: made on the model's device by the runner
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
@@ -59,6 +60,19 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        prompt_len = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < prompt_len else self.output_token_ids[position - prompt_len]
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end], without concatenating the whole sequence."""
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
 
     @property
     def num_tokens(self) -> int:

@@ -3,7 +3,7 @@
 Stage 1, grid (sequence, KV head, split): each program walks its split of the context tile by tile through the
 block table, for all query heads of its KV head at once (GQA: each K/V tile is loaded once; the head group is
 padded to 16 rows because `tl.dot` needs M >= 16), and stores a normalized partial output plus its log-sum-exp.
-Stage 2, grid (sequence, head): merges the splits with a running max.
+Stage 2, grid (sequence, head): merges all splits in one tile, each weighted by its log-sum-exp.
 
 The split size depends only on the engine's max_model_len, never on what else is batched, so outputs are
 batch-invariant and, with the grid sized for max_model_len, a captured CUDA graph stays valid. INT8 K/V are
@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.kernels.paged_kv import load_kv_tile
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 BLOCK_N = {False: 32, True: 128}  # context tokens per tile, by "K/V are int8"
@@ -29,7 +31,8 @@ def split_size_for(max_model_len: int) -> int:
     return -(-size // tile) * tile
 
 
-@triton.jit
+# The block-table width changes with the batch; specializing on it would recompile mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                            seq_lens_ptr, part_out_ptr, part_lse_ptr,
                            stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
@@ -61,18 +64,10 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
     for n0 in range(start, end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < end
-        block = tl.load(block_tables_ptr + seq * stride_bt + offs // block_size, mask=n_mask, other=0)
-        slot = offs % block_size
-        kv_off = block[:, None] * stride_cb + slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if KV_INT8:
-            scale_off = block * stride_sb + slot * stride_ss + kv_head
-            k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_off, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        k, v, k_scale, v_scale = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, offs, n_mask, d,
+            d_mask, stride_bt, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, block_size, q.dtype,
+            KV_INT8)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -101,26 +96,21 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
 @triton.jit
 def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_pb, stride_ph, stride_ps,
                          stride_lb, stride_lh, stride_ot, stride_oh, split_size,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    # All splits in one tile (BLOCK_S >= the grid's splits): one round of loads, not a loop of dependent ones.
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_splits = tl.cdiv(seq_len, split_size)
+    num_splits = tl.cdiv(tl.load(seq_lens_ptr + seq), split_size)
+    splits = tl.arange(0, BLOCK_S)
+    s_mask = splits < num_splits
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    m = float("-inf")
-    total = 0.0
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for s in range(0, num_splits):
-        lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + s)
-        o = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + s * stride_ps + d, mask=d_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp(m - m_new)
-        w = tl.exp(lse - m_new)
-        acc = acc * alpha + o * w
-        total = total * alpha + w
-        m = m_new
-    out = tl.where(total > 0, acc / total, 0.0)  # l == 0 only for empty (padding) sequences
+    lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=s_mask, other=float("-inf"))
+    o = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + d[None, :],
+                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    w = tl.exp(lse - tl.max(lse, axis=0))
+    total = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
@@ -154,5 +144,5 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), split_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
     return out

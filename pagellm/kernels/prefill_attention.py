@@ -10,8 +10,11 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.paged_kv import load_kv_tile
 
-@triton.jit
+
+# The block-table width changes with the batch; specializing on it would recompile mid-serving.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, qsl_ptr,
                     seq_lens_ptr, out_ptr, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
                     stride_bt, stride_ot, stride_oh, sm_scale, block_size,
@@ -42,18 +45,10 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
     for n0 in range(0, kv_end, BLOCK_N):
         offs = n0 + tl.arange(0, BLOCK_N)
         n_mask = offs < kv_end
-        block = tl.load(block_tables_ptr + seq * stride_bt + offs // block_size, mask=n_mask, other=0)
-        slot = offs % block_size
-        kv_off = block[:, None] * stride_cb + slot[:, None] * stride_cs + kv_head * stride_ch + d[None, :]
-        kv_mask = n_mask[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if KV_INT8:
-            scale_off = block * stride_sb + slot * stride_ss + kv_head
-            k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)
-            v_scale = tl.load(v_scale_ptr + scale_off, mask=n_mask, other=0.0)
-            k = k.to(q.dtype)
-            v = v.to(q.dtype)
+        k, v, k_scale, v_scale = load_kv_tile(
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, offs, n_mask, d,
+            d_mask, stride_bt, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, block_size, q.dtype,
+            KV_INT8)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -37,6 +37,12 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     return rotate(q), rotate(k)
 
 
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """SwiGLU on the merged gate|up projection [T, 2I]: silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax INT8 per row of the last dim: x ~= q * scale. Rounds half up (floor(x + 0.5)),
     as the Triton kernel does."""

@@ -94,11 +94,19 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
+                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q [T, H, D] and k [T, Hkv, D], after RMS-normalizing each head when given per-head norms
+        (Qwen3). On CUDA one kernel does both, in place."""
         if q.is_cuda:
             from pagellm.kernels.rope import apply_rope_
 
-            return apply_rope_(q, k, positions, self.cos_sin_cache)
+            if q_norm is None:
+                return apply_rope_(q, k, positions, self.cos_sin_cache)
+            return apply_rope_(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+        if q_norm is not None:
+            q, _ = q_norm(q)
+            k, _ = k_norm(k)
         return reference.apply_rope(q, k, positions, self.cos_sin_cache)
 
 
@@ -109,5 +117,9 @@ class MLP(nn.Module):
         self.down_proj = Linear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_cuda:
+            from pagellm.kernels.activation import silu_and_mul
+
+            return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(reference.silu_and_mul(gate_up))

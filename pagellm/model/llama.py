@@ -37,10 +37,7 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalizes each head before RoPE
-            q, _ = self.q_norm(q)
-            k, _ = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalizes each head before RoPE
         out = self.backend.forward(q, k, v, cache, metadata, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 

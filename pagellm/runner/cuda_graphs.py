@@ -1,6 +1,10 @@
 """CUDA graphs for pure-decode steps: one graph per batch size of a ladder, captured largest first into one
 shared memory pool. A step is padded to the next captured size (padding rows write to slot -1, which the KV-write
-kernel skips, and see a one-token context) and the logits are sliced back."""
+kernel skips, and see a one-token context) and the logits are sliced back.
+
+The graphs read their inputs from one device buffer laid out [input_ids | positions | slot_mapping | seq_lens |
+block_tables]; a pinned host buffer of the same layout is filled each step and sent in one copy (the fixed-size
+head plus the block-table rows in use), instead of one small copy per tensor."""
 
 from __future__ import annotations
 
@@ -11,7 +15,14 @@ import torch
 from pagellm.config import cdiv
 from pagellm.model.attention import AttentionMetadata, LayerKVCache
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.runner.input_batch import ModelInput
+from pagellm.runner.input_batch import HostBatch
+
+
+_HEAD_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32)  # input_ids, positions, slot_mapping, seq_lens
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // 16) * 16
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -29,14 +40,30 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self.sizes = capture_sizes(max_num_seqs)
         max_bs = self.sizes[-1]
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((max_bs,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(max_bs, cdiv(max_model_len, block_size), dtype=torch.int32, device=device)
-        self.seq_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
+        self.width = cdiv(max_model_len, block_size)
+        # Sections start 16-byte aligned: Triton specializes kernels on pointer alignment.
+        self._tables_offset = sum(_aligned(max_bs * dtype.itemsize) for dtype in _HEAD_DTYPES)
+        self._host = torch.zeros(self._tables_offset + max_bs * self.width * 4, dtype=torch.uint8,
+                                 pin_memory=True)
+        self._device = torch.zeros_like(self._host, device=device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(
+            self._device)
+        self._host_views = [t.numpy() for t in self._views(self._host)]
+        self.slot_mapping.fill_(-1)
+        self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+
+    def _views(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """input_ids, positions, slot_mapping, seq_lens and block_tables inside one byte buffer."""
+        max_bs = self.sizes[-1]
+        views, offset = [], 0
+        for dtype in _HEAD_DTYPES:
+            views.append(buffer[offset:offset + max_bs * dtype.itemsize].view(dtype))
+            offset += _aligned(max_bs * dtype.itemsize)
+        views.append(buffer[offset:].view(torch.int32).view(max_bs, self.width))
+        return views
 
     @property
     def max_batch(self) -> int:
@@ -69,20 +96,24 @@ class DecodeGraphs:
         finally:
             gc.unfreeze()
 
-    def can_run(self, inputs: ModelInput) -> bool:
-        return inputs.metadata.is_decode_only and inputs.input_ids.numel() <= self.max_batch
+    def can_run(self, batch: HostBatch) -> bool:
+        return batch.is_decode_only and batch.num_tokens <= self.max_batch
 
-    def run(self, inputs: ModelInput) -> torch.Tensor:
+    def run(self, batch: HostBatch) -> torch.Tensor:
         """Logits [n, V] of a pure-decode step of n sequences."""
-        n = inputs.input_ids.numel()
+        n = batch.num_tokens
         bs = next(s for s in self.sizes if s >= n)
-        md = inputs.metadata
-        self.input_ids[:n].copy_(inputs.input_ids)
-        self.positions[:n].copy_(inputs.positions)
-        self.slot_mapping[:n].copy_(md.slot_mapping)
-        self.slot_mapping[n:bs].fill_(-1)
-        self.block_tables[:n, :md.block_tables.shape[1]].copy_(md.block_tables)
-        self.seq_lens[:n].copy_(md.seq_lens)
-        self.seq_lens[n:bs].fill_(1)
+        input_ids, positions, slot_mapping, seq_lens, block_tables = self._host_views
+        input_ids[:n] = batch.input_ids
+        positions[:n] = batch.positions
+        slot_mapping[:n] = batch.slot_mapping
+        slot_mapping[n:bs] = -1
+        seq_lens[:n] = batch.seq_lens
+        seq_lens[n:bs] = 1
+        block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+        # The host buffer is rewritten next step only after this step's sampled ids came back (a sync), so the
+        # asynchronous copy has finished by then.
+        used = self._tables_offset + bs * self.width * 4
+        self._device[:used].copy_(self._host[:used], non_blocking=True)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

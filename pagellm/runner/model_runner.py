@@ -16,7 +16,7 @@ from pagellm.model.layers import can_pack_for_cpu
 from pagellm.model.loader import load_weights
 from pagellm.model.registry import model_class
 from pagellm.runner.cuda_graphs import DecodeGraphs
-from pagellm.runner.input_batch import ModelInput, build_model_input
+from pagellm.runner.input_batch import HostBatch, build_host_batch, to_device
 from pagellm.runner.sampler import Sampler, SamplerOutput, SamplingBatch, TokenScore, score_tokens
 
 
@@ -129,19 +129,20 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        inputs = build_model_input(sched, self.block_size, self.device)
-        if self.graphs is not None and self.graphs.can_run(inputs):
-            logits = self.graphs.run(inputs)  # pure decode: every row samples, in order
+        batch = build_host_batch(sched, self.block_size)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            logits = self.graphs.run(batch)  # pure decode: every row samples, in order
         else:
+            inputs = to_device(batch, self.device)
             self.backend.prepare(inputs.metadata, self.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
         out = RunnerOutput()
-        num_sampling = len(inputs.sampling_requests)
+        num_sampling = len(batch.sampling_requests)
         if num_sampling:
-            sampled = self.sampler(logits[:num_sampling], self._sampling_batch(inputs.sampling_requests))
-            out.sampled = _by_request(inputs, sampled)
-        for rows in inputs.prompt_logprob_rows:
+            sampled = self.sampler(logits[:num_sampling], self._sampling_batch(batch.sampling_requests))
+            out.sampled = _by_request(batch, sampled)
+        for rows in batch.prompt_logprob_rows:
             out.prompt_logprobs[rows.request.request_id] = (rows.first_position + 1, _score_prompt(
                 logits[rows.rows], rows.targets, rows.request.sampling_params.prompt_logprobs))
         return out
@@ -158,9 +159,9 @@ class ModelRunner:
         )
 
 
-def _by_request(inputs: ModelInput, sampled: SamplerOutput) -> dict:
+def _by_request(batch: HostBatch, sampled: SamplerOutput) -> dict:
     return {request.request_id: (token, logprobs)
-            for request, token, logprobs in zip(inputs.sampling_requests, sampled.token_ids, sampled.logprobs)}
+            for request, token, logprobs in zip(batch.sampling_requests, sampled.token_ids, sampled.logprobs)}
 
 
 def _score_prompt(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenScore]:

@@ -12,6 +12,9 @@ import torch
 
 from pagellm.sampling_params import SamplingParams
 
+# Top-p draws from the whole vocabulary and rejects tokens outside the nucleus up to this many times, then sorts.
+NUCLEUS_ROUNDS = 3
+
 # A scored token: (its logprob, its rank, the top-N [(token, logprob)] of its row).
 TokenScore = tuple[float, int, list[tuple[int, float]]]
 
@@ -49,20 +52,54 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         token_ids = logits.argmax(dim=-1)
-        if all(p.greedy for p in batch.params):  # decided on the host: no device sync
+        params = batch.params
+        if all(p.greedy for p in params):  # decided on the host: no device sync
             return token_ids
-        greedy = torch.tensor([p.greedy for p in batch.params], device=logits.device)
-        probs = filtered_probs(logits, batch.params)
-        noise = self._exponential_noise(probs, batch.generators)
-        sampled = (probs / noise).argmax(dim=-1)  # exponential race: same law as torch.multinomial
+        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
+        probs = filtered_probs(logits, params)
+        if any(p.top_p < 1 for p in params):
+            sampled = self._sample_nucleus(probs, params, batch.generators)
+        else:
+            sampled = (probs / self._exponential_noise(probs, batch.generators)).argmax(dim=-1)
         return torch.where(greedy, token_ids, sampled)
+
+    def _sample_nucleus(self, probs: torch.Tensor, params: list[SamplingParams],
+                        generators: list[torch.Generator | None]) -> torch.Tensor:
+        """Top-p sampling by rejection, without sorting the vocabulary: draw from the whole distribution and keep
+        the token when the mass of the tokens more likely than it is below top_p (it is in the nucleus).
+        Conditioned on acceptance the draw follows the renormalized nucleus exactly. A rejected token bounds the
+        nucleus from below, so the next round draws only from tokens more likely than it. Later rounds run on
+        the rejected rows alone (a few percent of them; finding them costs a host sync), and rows still rejected
+        after NUCLEUS_ROUNDS rounds take the sorting path."""
+        top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+        sampled = (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
+        draw = sampled
+        rows = list(range(probs.shape[0]))  # the rows still being drawn, and their draws this round
+        candidates = probs
+        for round_ in range(NUCLEUS_ROUNDS):
+            if round_:
+                draw = (candidates / self._exponential_noise(candidates, [generators[r] for r in rows])).argmax(-1)
+                sampled[rows] = draw
+            p_draw = probs.gather(-1, draw[:, None])
+            mass_above = torch.where(probs > p_draw, probs, 0.0).sum(dim=-1, keepdim=True)
+            rejected = (mass_above >= top_p) & (top_p < 1)
+            still = rejected[:, 0].nonzero()[:, 0]
+            if not still.numel():
+                return sampled
+            rows = [rows[i] for i in still.tolist()]
+            probs, top_p = probs[still], top_p[still]
+            candidates = candidates[still].masked_fill(probs <= p_draw[still], 0.0)
+        nucleus = nucleus_probs(probs, top_p)
+        sampled[rows] = (nucleus / self._exponential_noise(nucleus, [generators[r] for r in rows])).argmax(dim=-1)
+        return sampled
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for row, gen in enumerate(generators):
             if gen is not None:
                 noise[row].exponential_(generator=gen)
-        return noise
+        # A zero draw would turn a zero probability into 0/0 = NaN, which argmax takes for the maximum.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -106,34 +143,38 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, batch: SamplingBatch) -> t
 
 
 def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """softmax(logits / T), keeping the top-k, then the top-p nucleus of what remains, then tokens with at
-    least min_p times the top probability; renormalized."""
+    """softmax(logits / T) without the tokens below min_p times the top probability, then only the top-k;
+    renormalized. Top-p is left to the draw (vLLM's order: temperature, min-p, top-k, top-p)."""
     device = logits.device
     temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)[:, None]
     logits = logits / temperature
-    if any(p.top_k or p.top_p < 1 for p in params):
-        logits = _apply_top_k_top_p(logits, params)
-    probs = torch.softmax(logits, dim=-1)
     if any(p.min_p > 0 for p in params):
+        # probs < min_p * max_prob  <=>  logit < max_logit + log(min_p)
         min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.amax(dim=-1, keepdim=True), 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
-    return probs
+        logits = logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + min_p.log(), float("-inf"))
+    if any(p.top_k for p in params):
+        logits = _apply_top_k(logits, params)
+    return torch.softmax(logits, dim=-1)
 
 
-def _apply_top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _apply_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Keep each row's top_k logits (all of them where top_k = 0): a partial top-k, not a sort of the vocabulary."""
     vocab = logits.shape[-1]
-    device = logits.device
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=device)[None]
-    top_k = torch.tensor([p.top_k if p.top_k else vocab for p in params], device=device)[:, None]
-    sorted_logits = sorted_logits.masked_fill(ranks >= top_k, float("-inf"))
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
+    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)[:, None]
+    largest = logits.topk(int(top_k.max()), dim=-1).values
+    kth = largest.gather(-1, top_k - 1)
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def nucleus_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The top-p nucleus of each row, renormalized: tokens in descending order are kept while the mass before
+    them is below top_p (the top token always stays)."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # The top token always stays (its mass_before is 0); top_p = 1 filters nothing, whatever the rounding.
-    sorted_logits = sorted_logits.masked_fill((mass_before >= top_p) & (top_p < 1), float("-inf"))
-    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    # top_p = 1 filters nothing, whatever the rounding of the cumulative sum.
+    sorted_probs = sorted_probs.masked_fill((mass_before >= top_p) & (top_p < 1), 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(dim=-1, keepdim=True)
 
 
 def gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,

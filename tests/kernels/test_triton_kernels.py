@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from pagellm.kernels import reference
+from pagellm.kernels.activation import silu_and_mul
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
 from pagellm.kernels.kv_write import write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
@@ -141,7 +142,8 @@ def test_rms_norm(dtype, hidden, with_residual):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 32)])
 @pytest.mark.parametrize("rope_type", ["default", "llama3"])
-def test_rope(dtype, heads, kv_heads, dim, rope_type):
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
+def test_rope(dtype, heads, kv_heads, dim, rope_type, qk_norm):
     from pagellm.config import RopeConfig
     from pagellm.model.layers import RotaryEmbedding
 
@@ -153,6 +155,21 @@ def test_rope(dtype, heads, kv_heads, dim, rope_type):
     q = qkv[:, :heads * dim].view(tokens, heads, dim)
     k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
-    ref_q, ref_k = reference.apply_rope(q.float(), k.float(), positions, cache)
-    apply_rope_(q, k, positions, cache)
+    if qk_norm:  # Qwen3: each head RMS-normalized with its own weight, then rotated
+        q_weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
+        k_weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
+        ref_q, ref_k = reference.apply_rope(reference.rms_norm(q, q_weight, 1e-6)[0].float(),
+                                            reference.rms_norm(k, k_weight, 1e-6)[0].float(), positions, cache)
+        apply_rope_(q, k, positions, cache, q_weight, k_weight, 1e-6)
+    else:
+        ref_q, ref_k = reference.apply_rope(q.float(), k.float(), positions, cache)
+        apply_rope_(q, k, positions, cache)
     assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,intermediate", [(1, 64), (7, 1000), (3, 3072)])
+def test_silu_and_mul(dtype, tokens, intermediate):
+    gen = torch.Generator().manual_seed(intermediate)
+    x = (2 * torch.randn(tokens, 2 * intermediate, generator=gen)).to(DEVICE, dtype)
+    assert rel_err(silu_and_mul(x), reference.silu_and_mul(x)) < TOL[dtype]

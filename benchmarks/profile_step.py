@@ -1,0 +1,79 @@
+"""Where a decode step's time goes on the GPU: wall time per engine step against the GPU kernel time inside it
+(the gap is host work the GPU waits for), and the kernels that take the most time.
+
+    python benchmarks/profile_step.py --model Qwen3-0.6B --batch 1 --context 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.models import model_dir  # noqa: E402
+from pagellm import LLM, SamplingParams  # noqa: E402
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="Qwen3-0.6B")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    llm = LLM(model_dir(args.model), load_format="dummy", max_model_len=4096, max_num_seqs=max(args.batch, 16),
+              quiet=True)
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=10_000, ignore_eos=True)
+    for _ in range(args.batch):
+        engine.add_request(torch.randint(0, 30000, (args.context,), generator=gen).tolist(), params)
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
+            engine.scheduler.waiting:
+        engine.step()
+    for _ in range(5):
+        engine.step()
+    _sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step()
+    wall_ms = (time.perf_counter() - start) / args.steps * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        _sync()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    gpu_ms = sum(e.device_time_total for e in kernels) / 1e3 / args.steps
+    launches = sum(e.count for e in kernels) / args.steps
+    top = sorted(kernels, key=lambda e: -e.device_time_total)[:15]
+    result = {"model": args.model, "batch": args.batch, "context": args.context, "wall_ms_per_step": wall_ms,
+              "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": launches,
+              "tok_s": args.batch / wall_ms * 1e3,
+              "top_kernels": [{"name": e.key[:90], "us_per_step": e.device_time_total / args.steps,
+                               "calls_per_step": e.count / args.steps} for e in top]}
+    print(f"{args.model} batch {args.batch} ctx {args.context}: wall {wall_ms:.3f} ms/step, GPU kernels "
+          f"{gpu_ms:.3f} ms/step, {launches:.0f} kernels/step, {result['tok_s']:.0f} tok/s")
+    for k in result["top_kernels"]:
+        print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
