@@ -1,20 +1,35 @@
 #!/usr/bin/env bash
 # What one device call runs (the GPU machine has torch/triton/transformers but not this package installed).
-#   bash benchmarks/gpu_suite.sh engine   # GPU tests, offline throughput vs HF, kernel benchmarks
-#   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus, latency benchmarks
-#   bash benchmarks/gpu_suite.sh profile  # GPU and kernel tests, where decode steps spend their time
+#   bash benchmarks/gpu_suite.sh engine      # GPU tests, step profiles, latency
+#   bash benchmarks/gpu_suite.sh throughput  # offline throughput vs HF (both shapes), kernel benchmarks
+#   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+# At most 8 files come back from a device call: one archive of the logs, profiles and dated results.
+bundle() {
+  tar czf /tmp/bundle.tgz -C "$OUT" . -C "$PWD" benchmarks/results && rm -rf "$OUT"/* && mv /tmp/bundle.tgz "$OUT/"
+}
 case "$1" in
 engine)
-  timeout 120 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/gpu \
+  timeout 200 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/gpu tests/kernels \
     > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
-  timeout 330 python3 benchmarks/throughput.py --models Qwen3-0.6B Llama-3.1-8B --hf-requests 64 \
-    > "$OUT/throughput.log" 2>&1; echo "throughput rc=$?"; tail -5 "$OUT/throughput.log"
-  timeout 90 python3 benchmarks/kernels.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
-  cp benchmarks/results/throughput-* benchmarks/results/kernels-* "$OUT/" ;;
+  for spec in "Qwen3-0.6B 1 128 0 1" "Qwen3-0.6B 256 600 0.8 0.95" "Llama-3.1-8B 1 128 0 1"; do
+    set -- $spec
+    timeout 100 python3 benchmarks/profile_step.py --model $1 --batch $2 --context $3 --temperature $4 --top-p $5 \
+      --json "$OUT/profile-$1-b$2.json" 2>&1 | grep -v Warning | tail -6
+  done
+  timeout 200 python3 benchmarks/latency.py --models Qwen3-0.6B Llama-3.1-8B > "$OUT/latency.log" 2>&1
+  echo "latency rc=$?"; tail -4 "$OUT/latency.log"
+  bundle ;;
+throughput)
+  timeout 200 python3 benchmarks/throughput.py --models Qwen3-0.6B --hf-requests 64 > "$OUT/throughput.log" 2>&1
+  echo "throughput rc=$?"; tail -3 "$OUT/throughput.log"
+  timeout 120 python3 benchmarks/throughput.py --models Llama-3.1-8B --hf-requests 8 --hf-batch 8 \
+    > "$OUT/throughput-llama.log" 2>&1; echo "throughput rc=$?"; tail -3 "$OUT/throughput-llama.log"
+  timeout 60 python3 benchmarks/kernels.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
+  bundle ;;
 train)
   python3 -c "from pagellm.training.corpus import *; write_corpus('/tmp/corpus/TinyStories-train.txt', generate_stories(20000))"
   timeout 200 python3 -m pagellm.cli train --data /tmp/corpus/TinyStories-train.txt --output /tmp/s15m \
@@ -30,21 +45,5 @@ for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
           "metrics.json"):
     shutil.copy(f"/tmp/s15m/{f}", out)
 PY
-  timeout 300 python3 benchmarks/latency.py --models Qwen3-0.6B Llama-3.1-8B > "$OUT/latency.log" 2>&1
-  echo "latency rc=$?"; tail -5 "$OUT/latency.log"; cp benchmarks/results/latency-* "$OUT/" ;;
-profile)
-  timeout 200 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/gpu tests/kernels \
-    > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
-  timeout 120 python3 benchmarks/kernels.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
-  for spec in "Qwen3-0.6B 1 128 0 1" "Qwen3-0.6B 256 600 0.8 0.95" "Llama-3.1-8B 1 128 0 1"; do
-    set -- $spec
-    timeout 120 python3 benchmarks/profile_step.py --model $1 --batch $2 --context $3 --temperature $4 --top-p $5 \
-      --json "$OUT/profile-$1-b$2.json" 2>&1 | grep -v Warning | tail -12
-  done
-  timeout 150 python3 benchmarks/throughput.py --models Qwen3-0.6B --hf-requests 0 > "$OUT/throughput.log" 2>&1
-  echo "throughput rc=$?"; tail -3 "$OUT/throughput.log"
-  timeout 200 python3 benchmarks/latency.py --models Qwen3-0.6B > "$OUT/latency.log" 2>&1
-  echo "latency rc=$?"; tail -3 "$OUT/latency.log"
-  # At most 8 files come back from a device call: one archive of the logs, profiles and dated results.
-  tar czf /tmp/profile.tgz -C "$OUT" . -C "$PWD" benchmarks/results; rm -rf "$OUT"/*; mv /tmp/profile.tgz "$OUT/" ;;
+ ;;
 esac

@@ -46,7 +46,7 @@ def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
     k, v, ks, vs, tables = paged_cache(batch, ctx, int8, gen)
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    split = split_size_for(max(ctx, 8192))
+    split = split_size_for(max(ctx, 8192), batch)
     ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, DIM ** -0.5, ctx, split, ks, vs))
     kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size() + (2 * batch * ctx * KV_HEADS * 4 if int8 else 0)
     row = {"kernel": f"decode {'int8' if int8 else 'bf16'}", "batch": batch, "context": ctx, "ms": ms,

@@ -98,7 +98,7 @@ def main() -> None:
     columns = ["model", "requests", "kv_cache_dtype", "output_tok_s", "total_tok_s", "elapsed_s", "preemptions",
                "hf_requests", "hf_output_tok_s", "speedup_vs_hf"]
     table = markdown_table(rows, columns)
-    path = write_results("throughput", {"environment": environment(), "rows": rows,
+    path = write_results("throughput-" + "-".join(args.models), {"environment": environment(), "rows": rows,
                                         "workload": "input/output uniform [100, 1024], random ids, ignore_eos, "
                                                     "temperature 0.8, top_p 0.95"}, table)
     matplotlib.use("Agg")

@@ -23,6 +23,8 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--enforce-eager", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="wait for each step's tokens before launching the next")
     parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quiet", action="store_true", help="hide progress bars")
@@ -42,7 +44,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                load_format=args.load_format, seed=args.seed, quiet=args.quiet)
+                async_scheduling=not args.no_async_scheduling, load_format=args.load_format, seed=args.seed, quiet=args.quiet)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -136,6 +136,7 @@ class EngineConfig:
     cpu_kv_cache_gib: float = 2.0
     enable_prefix_caching: bool = True
     enforce_eager: bool = False
+    async_scheduling: bool = True  # launch a decode step before the previous one's tokens are back
     seed: int = 0
     load_format: str = "auto"
     quiet: bool = False

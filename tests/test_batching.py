@@ -44,3 +44,38 @@ def test_prefix_hit_reported_and_identical(smollm2_llm):
     assert second.num_cached_tokens == (n_prompt - 1) // 16 * 16 > 0  # full blocks only, never the last token
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
     assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+
+
+def test_async_scheduling_changes_nothing_but_timing(tiny_llama_dir, monkeypatch):
+    """Launching decode steps before the previous tokens are back gives the same tokens as waiting for them:
+    greedy, seeded top-p, a stop token that ends requests while their next step is in flight, and max_tokens."""
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=33, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=9, max_tokens=50, stop_token_ids=list(range(0, 500, 9)),
+                             ignore_eos=True),
+              SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=3, ignore_eos=True)]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(500) for _ in range(rng.randrange(2, 40))] for _ in range(12)]
+    work = [(p, params[i % len(params)]) for i, p in enumerate(prompts)]
+
+    def run(async_scheduling: bool) -> tuple[list, int]:
+        llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", async_scheduling=async_scheduling, quiet=True)
+        launched_early = 0
+        launch = llm.engine.runner.launch
+
+        def counting_launch(sched, previous=None):
+            nonlocal launched_early
+            launched_early += previous is not None
+            return launch(sched, previous)
+
+        monkeypatch.setattr(llm.engine.runner, "launch", counting_launch)
+        outs = llm.generate([p for p, _ in work], [sp for _, sp in work], use_tqdm=False)
+        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+        return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], launched_early
+
+    sync_outputs, early = run(False)
+    assert early == 0
+    async_outputs, early = run(True)
+    assert early > 20
+    assert async_outputs == sync_outputs
+    assert {reason for _, reason in sync_outputs} == {"stop", "length"}

@@ -15,7 +15,7 @@ N = 40_000
 
 def sample_counts(params: SamplingParams, seed: int = 0) -> torch.Tensor:
     sampler = Sampler(seed, torch.device("cpu"))
-    batch = SamplingBatch([params] * N, [[] for _ in range(N)], [[0] for _ in range(N)], [None] * N)
+    batch = SamplingBatch([params] * N, [[] for _ in range(N)], [[0] for _ in range(N)], [0] * N)
     tokens = torch.tensor(sampler(LOGITS.expand(N, -1).clone(), batch).token_ids)
     return torch.bincount(tokens, minlength=len(LOGITS)).float() / N
 
@@ -73,7 +73,7 @@ def test_greedy_is_argmax():
 def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    batch = SamplingBatch([params], output_token_ids=[[0, 0, 1]], prompt_token_ids=[[2]], generators=[None])
+    batch = SamplingBatch([params], output_token_ids=[[0, 0, 1]], prompt_token_ids=[[2]], draw_indices=[0])
     out = apply_penalties(logits, batch)[0]
     # token 0: seen twice -> 2/2 - 0.25*2 - 0.5; token 1: once, negative -> -1*2 - 0.25 - 0.5;
     # token 2: prompt only -> 0.5/2 (no presence/frequency: those count generated tokens); token 3 untouched.

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.request import Request, RequestStatus
-from pagellm.engine.scheduler import Scheduler
+from pagellm.engine.scheduler import Scheduler, SchedulerOutput
 from pagellm.errors import InvalidParameter
 from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.outputs import CompletionOutput, Logprob, PositionLogprobs, RequestOutput
-from pagellm.runner.model_runner import ModelRunner
+from pagellm.runner.model_runner import LaunchedStep, ModelRunner, RunnerOutput
 from pagellm.runner.sampler import TokenScore
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 from pagellm.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -74,6 +74,7 @@ class Engine:
         self._groups: dict[str, list[Request]] = {}  # request id -> its n samples
         self._ids = itertools.count()
         self._generation_tokens_total = 0
+        self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
 
     def _max_model_len_wanted(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -166,30 +167,71 @@ class Engine:
         return self._output(children)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ---- one step -------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduled batch; returns an output for every request that got a new token or finished
-        (only finished ones for requests with output_kind FINAL_ONLY)."""
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return []
+        (only finished ones for requests with output_kind FINAL_ONLY).
+
+        With async_scheduling, a pure-decode step's successor is launched before this step's tokens come back
+        (its input tokens stay on the device), so the host's bookkeeping overlaps the GPU's work instead of
+        leaving it idle. A request that turns out to have stopped wastes its row of the successor."""
+        if self._in_flight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                return []
+            self._in_flight = self._launch(sched)
+        current = self._in_flight
+        self._in_flight = self._launch_next_decodes(current) if self.config.async_scheduling else None
+        return self._process(current, self.runner.collect(current.launched))
+
+    def _launch(self, sched: SchedulerOutput, previous: _InFlight | None = None) -> _InFlight:
+        launched = self.runner.launch(sched, previous.launched if previous is not None else None)
         now = time.time()
-        result = self.runner.execute(sched)
-        touched: dict[str, None] = {}
         for request in sched.requests:
             if request.metrics.first_scheduled_time is None:
                 request.metrics.first_scheduled_time = now
             request.num_computed_tokens += sched.num_scheduled_tokens[request.request_id]
-            self.kv_cache.cache_full_blocks(request)
+        for request in launched.batch.sampling_requests:
+            request.num_pending_tokens += 1
+        return _InFlight(sched, launched)
+
+    def _launch_next_decodes(self, current: _InFlight) -> _InFlight | None:
+        """Launch the decode step after `current` before its tokens are known, when that step is certain: every
+        running request is decoding in `current` and needs none of its tokens on the host to sample the next
+        (no penalties or min_tokens), and no waiting request could be admitted instead."""
+        sampling = current.launched.batch.sampling_requests
+        running = self.scheduler.running
+        if (len(sampling) != len(current.sched.requests) or len(running) != len(sampling)
+                or not current.launched.batch.is_decode_only
+                or (self.scheduler.waiting and len(running) < self.config.max_num_seqs)):
+            return None
+        in_current = {id(r) for r in sampling}
+        if any(id(r) not in in_current or _needs_host_tokens(r) for r in running):
+            return None
+        # Requests that reach max_tokens with the token in flight stop there.
+        continuing = [r for r in running if len(r.output_token_ids) + r.num_pending_tokens < r.max_tokens]
+        sched = self.scheduler.schedule_next_decodes(continuing) if continuing else None
+        return self._launch(sched, previous=current) if sched is not None else None
+
+    def _process(self, step: _InFlight, result: RunnerOutput) -> list[RequestOutput]:
+        touched: dict[str, None] = {}
+        for request in step.sched.requests:
+            sampled = result.sampled.get(request.request_id)
+            if sampled is not None:
+                request.num_pending_tokens -= 1
+            if request.status.finished:  # stopped (or aborted) while this step was in flight
+                continue
             if request.request_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(request, *result.prompt_logprobs[request.request_id])
-            if request.request_id in result.sampled:
-                self._append_token(request, *result.sampled[request.request_id])
+            if sampled is not None:
+                self._append_token(request, *sampled)
                 if request.status.finished or request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
                     touched[request.parent_id] = None
+            if not request.status.finished:
+                self.kv_cache.cache_full_blocks(request)
         outputs = []
         for parent_id in touched:
             children = self._groups[parent_id]
@@ -298,6 +340,19 @@ class Engine:
             prefix_cache_hits=self.kv_cache.stats.hits,
             generation_tokens_total=self._generation_tokens_total,
         )
+
+
+@dataclass
+class _InFlight:
+    sched: SchedulerOutput
+    launched: LaunchedStep
+
+
+def _needs_host_tokens(request: Request) -> bool:
+    """Whether sampling this request's next token needs its previous one on the host."""
+    p = request.sampling_params
+    return (p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
+            or len(request.output_token_ids) + request.num_pending_tokens < p.min_tokens)
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from pagellm.outputs import PositionLogprobs, RequestMetrics
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import IncrementalDetokenizer
@@ -44,7 +42,7 @@ class Request:
     # Hash of each full block of this request's tokens, in order (filled as blocks fill up).
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
-    generator: torch.Generator | None = None  # seeded requests: made on the model's device by the runner
+    num_pending_tokens: int = 0  # sampled by a step still in flight, not yet in output_token_ids
     detokenizer: IncrementalDetokenizer | None = None
     output_text: str = ""
     logprobs: list[PositionLogprobs] | None = None

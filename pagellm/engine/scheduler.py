@@ -58,6 +58,20 @@ class Scheduler:
             self._schedule_waiting(out, budget)
         return out
 
+    def schedule_next_decodes(self, requests: list[Request]) -> SchedulerOutput | None:
+        """A decode step for `requests` whose current token is still being sampled (asynchronous scheduling):
+        one more token each. None, with nothing preempted, when the pool is short (the regular schedule decides
+        then) or the step would exceed the token budget."""
+        if len(requests) > self.max_num_batched_tokens:
+            return None
+        out = SchedulerOutput()
+        for request in requests:
+            if not self.kv_cache.allocate_slots(request, 1):
+                return None
+            out.requests.append(request)
+            out.num_scheduled_tokens[request.request_id] = 1
+        return out
+
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> bool:
         preempted = False
         i = 0

@@ -5,9 +5,12 @@ block table, for all query heads of its KV head at once (GQA: each K/V tile is l
 padded to 16 rows because `tl.dot` needs M >= 16), and stores a normalized partial output plus its log-sum-exp.
 Stage 2, grid (sequence, head): merges all splits in one tile, each weighted by its log-sum-exp.
 
-The split size depends only on the engine's max_model_len, never on what else is batched, so outputs are
-batch-invariant and, with the grid sized for max_model_len, a captured CUDA graph stays valid. INT8 K/V are
-dequantized by folding the per-token scales into the scores (K) and the probabilities (V).
+The split size depends on the engine's max_model_len and on whether the batch is small (at most
+SMALL_BATCH sequences, a CUDA-graph size, so a padded graph and an eager step of the same batch agree): few
+sequences leave most of the GPU idle unless each context is cut finer. Outputs are therefore invariant to what
+else is batched within each of the two classes, and with the grid sized for max_model_len a captured CUDA graph
+stays valid. INT8 K/V are dequantized by folding the per-token scales into the scores (K) and the probabilities
+(V).
 """
 
 from __future__ import annotations
@@ -20,18 +23,18 @@ from pagellm.kernels.paged_kv import load_kv_tile
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 BLOCK_N = {False: 32, True: 128}  # context tokens per tile, by "K/V are int8"
-MIN_SPLIT = 512  # context tokens per split, at least
+MIN_SPLIT = {True: 128, False: 512}  # context tokens per split, at least, by "the batch is small"
+SMALL_BATCH = 8
 MAX_SPLITS = 64
 
 
-def split_size_for(max_model_len: int) -> int:
+def split_size_for(max_model_len: int, num_seqs: int) -> int:
     """Tokens per split: at least MIN_SPLIT, and few enough splits that a max-length grid stays small."""
-    size = max(MIN_SPLIT, -(-max_model_len // MAX_SPLITS))
+    size = max(MIN_SPLIT[num_seqs <= SMALL_BATCH], -(-max_model_len // MAX_SPLITS))
     tile = max(BLOCK_N.values())
     return -(-size // tile) * tile
 
 
-# The block-table width changes with the batch; specializing on it would recompile mid-serving.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                            seq_lens_ptr, part_out_ptr, part_lse_ptr,

@@ -89,16 +89,14 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, max_model_len: int) -> None:
-        from pagellm.kernels.decode_attention import split_size_for
-
-        self.split_size = split_size_for(max_model_len)
+        self.max_model_len = max_model_len
 
     def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
         pass  # the kernels read the metadata tensors directly
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        from pagellm.kernels.decode_attention import paged_decode_attention
+        from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
         from pagellm.kernels.kv_write import write_kv
         from pagellm.kernels.prefill_attention import paged_prefill_attention
 
@@ -108,7 +106,8 @@ class TritonAttentionBackend:
         scales = (cache.key_scale, cache.value_scale)
         if n:
             paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n], metadata.seq_lens[:n],
-                                   scale, metadata.max_seq_len, self.split_size, *scales, out=out[:n])
+                                   scale, metadata.max_seq_len, split_size_for(self.max_model_len, n), *scales,
+                                   out=out[:n])
         if n < metadata.seq_lens.numel():
             paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],
                                     metadata.query_start_loc[n:], metadata.seq_lens[n:], scale,

@@ -4,7 +4,8 @@ kernel skips, and see a one-token context) and the logits are sliced back.
 
 The graphs read their inputs from one device buffer laid out [input_ids | positions | slot_mapping | seq_lens |
 block_tables]; a pinned host buffer of the same layout is filled each step and sent in one copy (the fixed-size
-head plus the block-table rows in use), instead of one small copy per tensor."""
+head plus the block-table rows in use), instead of one small copy per tensor. Input ids sampled by a step still in
+flight are copied in on the device."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from pagellm.config import cdiv
 from pagellm.model.attention import AttentionMetadata, LayerKVCache
 from pagellm.model.llama import LlamaForCausalLM
 from pagellm.runner.input_batch import HostBatch
-
 
 _HEAD_DTYPES = (torch.int64, torch.int64, torch.int64, torch.int32)  # input_ids, positions, slot_mapping, seq_lens
 
@@ -43,12 +43,16 @@ class DecodeGraphs:
         self.width = cdiv(max_model_len, block_size)
         # Sections start 16-byte aligned: Triton specializes kernels on pointer alignment.
         self._tables_offset = sum(_aligned(max_bs * dtype.itemsize) for dtype in _HEAD_DTYPES)
-        self._host = torch.zeros(self._tables_offset + max_bs * self.width * 4, dtype=torch.uint8,
-                                 pin_memory=True)
-        self._device = torch.zeros_like(self._host, device=device)
+        # Two pinned host buffers, used in turn: with asynchronous scheduling the next step fills one while the
+        # copy out of the other may still be queued behind the step in flight.
+        self._host = [torch.zeros(self._tables_offset + max_bs * self.width * 4, dtype=torch.uint8,
+                                  pin_memory=True) for _ in range(2)]
+        self._host_views = [[t.numpy() for t in self._views(host)] for host in self._host]
+        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._turn = 0
+        self._device = torch.zeros_like(self._host[0], device=device)
         self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(
             self._device)
-        self._host_views = [t.numpy() for t in self._views(self._host)]
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
@@ -99,21 +103,24 @@ class DecodeGraphs:
     def can_run(self, batch: HostBatch) -> bool:
         return batch.is_decode_only and batch.num_tokens <= self.max_batch
 
-    def run(self, batch: HostBatch) -> torch.Tensor:
-        """Logits [n, V] of a pure-decode step of n sequences."""
+    def run(self, batch: HostBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, V] of a pure-decode step of n sequences; `input_ids` (on the device) replace the batch's."""
         n = batch.num_tokens
         bs = next(s for s in self.sizes if s >= n)
-        input_ids, positions, slot_mapping, seq_lens, block_tables = self._host_views
-        input_ids[:n] = batch.input_ids
-        positions[:n] = batch.positions
-        slot_mapping[:n] = batch.slot_mapping
-        slot_mapping[n:bs] = -1
-        seq_lens[:n] = batch.seq_lens
-        seq_lens[n:bs] = 1
-        block_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
-        # The host buffer is rewritten next step only after this step's sampled ids came back (a sync), so the
-        # asynchronous copy has finished by then.
+        turn, self._turn = self._turn, 1 - self._turn
+        self._copied[turn].synchronize()  # long done: the step that last used this buffer has been collected
+        host_ids, host_positions, host_slots, host_seq_lens, host_tables = self._host_views[turn]
+        host_ids[:n] = batch.input_ids
+        host_positions[:n] = batch.positions
+        host_slots[:n] = batch.slot_mapping
+        host_slots[n:bs] = -1
+        host_seq_lens[:n] = batch.seq_lens
+        host_seq_lens[n:bs] = 1
+        host_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
         used = self._tables_offset + bs * self.width * 4
-        self._device[:used].copy_(self._host[:used], non_blocking=True)
+        self._device[:used].copy_(self._host[turn][:used], non_blocking=True)
+        self._copied[turn].record()
+        if input_ids is not None:
+            self.input_ids[:n].copy_(input_ids)
         self.graphs[bs].replay()
         return self.logits[bs][:n]

@@ -13,6 +13,7 @@ import torch
 from pagellm.engine.request import Request
 from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.model.attention import AttentionMetadata
+from pagellm.runner.sampler import to_device_async
 
 
 @dataclass
@@ -78,7 +79,8 @@ def build_host_batch(sched: SchedulerOutput, block_size: int) -> HostBatch:
         offset = query_start_loc[-1]
         if n == 1:  # the common case, kept free of numpy calls: a decode step has hundreds of these
             num_decodes += 1
-            input_ids.append(request.token_at(start))
+            # A token still being sampled by the step in flight gets a placeholder; the runner fills it in.
+            input_ids.append(request.token_at(start) if start < request.num_tokens else 0)
             positions.append(start)
             slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
         else:
@@ -89,7 +91,7 @@ def build_host_batch(sched: SchedulerOutput, block_size: int) -> HostBatch:
             slots += (table[pos // block_size] * block_size + pos % block_size).tolist()
         query_start_loc.append(offset + n)
         seq_lens.append(end)
-        if end == request.num_tokens:  # caught up with every known token: the last one's logits sample
+        if end == request.num_tokens + request.num_pending_tokens:  # caught up: the last row's logits sample
             sample_rows.append(offset + n - 1)
             sampling_requests.append(request)
         if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
@@ -142,5 +144,4 @@ def to_device(batch: HostBatch, device: torch.device) -> ModelInput:
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    tensor = torch.from_numpy(array)
-    return tensor.to(device, non_blocking=True) if device.type != "cpu" else tensor
+    return to_device_async(torch.from_numpy(array), device)

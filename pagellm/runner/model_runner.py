@@ -16,8 +16,19 @@ from pagellm.model.layers import can_pack_for_cpu
 from pagellm.model.loader import load_weights
 from pagellm.model.registry import model_class
 from pagellm.runner.cuda_graphs import DecodeGraphs
-from pagellm.runner.input_batch import HostBatch, build_host_batch, to_device
-from pagellm.runner.sampler import Sampler, SamplerOutput, SamplingBatch, TokenScore, score_tokens
+from pagellm.runner.input_batch import HostBatch, PromptLogprobRows, build_host_batch, to_device
+from pagellm.runner.sampler import (
+    SampledTokens,
+    Sampler,
+    SamplingBatch,
+    ScoreTensors,
+    TokenScore,
+    score_tensors,
+    scores_to_host,
+    to_device_async,
+    to_host,
+)
+from pagellm.sampling_params import SamplingParams
 
 
 @dataclass
@@ -112,8 +123,10 @@ class ModelRunner:
         hidden = self.model(ids, positions, metadata, caches)
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
-        # Sampling keeps a few [rows, vocab] fp32 copies alive (softmax, sort for top-p).
-        logits.softmax(-1).sort(dim=-1, descending=True)
+        # Sampling's [rows, vocab] temporaries (scaled logits, logprobs) count toward the peak; this also compiles
+        # the sampling kernel now rather than in the first request's latency.
+        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)
+        self.sampler.sample(logits, SamplingBatch([params] * rows, [[]] * rows, [[0]] * rows, [0] * rows))
         torch.cuda.synchronize(self.device)
         del caches, hidden, logits
 
@@ -127,43 +140,76 @@ class ModelRunner:
                                        self.max_model_len, self.block_size, self.device)
             self.graphs.capture()
 
-    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        return self.collect(self.launch(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Enqueue one step's forward pass and sampling on the device and return without waiting for them.
+        With `previous` (a step still in flight), rows whose input token that step is sampling take it from the
+        device, where it will be."""
         batch = build_host_batch(sched, self.block_size)
+        input_ids = _ids_sampled_by(previous, batch) if previous is not None else None
         if self.graphs is not None and self.graphs.can_run(batch):
-            logits = self.graphs.run(batch)  # pure decode: every row samples, in order
+            logits = self.graphs.run(batch, input_ids)  # pure decode: every row samples, in order
         else:
             inputs = to_device(batch, self.device)
+            if input_ids is not None:
+                inputs.input_ids[:input_ids.shape[0]] = input_ids
             self.backend.prepare(inputs.metadata, self.block_size)
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.metadata, self.kv_caches)
             logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        out = RunnerOutput()
         num_sampling = len(batch.sampling_requests)
+        sampled = None
         if num_sampling:
-            sampled = self.sampler(logits[:num_sampling], self._sampling_batch(batch.sampling_requests))
-            out.sampled = _by_request(batch, sampled)
-        for rows in batch.prompt_logprob_rows:
-            out.prompt_logprobs[rows.request.request_id] = (rows.first_position + 1, _score_prompt(
-                logits[rows.rows], rows.targets, rows.request.sampling_params.prompt_logprobs))
+            sampled = self.sampler.sample(logits[:num_sampling], _sampling_batch(batch.sampling_requests))
+        prompt_scores = [(rows, _score_prompt(logits[rows.rows], rows.targets,
+                                              rows.request.sampling_params.prompt_logprobs))
+                         for rows in batch.prompt_logprob_rows]
+        return LaunchedStep(batch, sampled, prompt_scores)
+
+    def collect(self, step: LaunchedStep) -> RunnerOutput:
+        """Wait for a launched step; its sampled tokens and logprobs as Python values."""
+        out = RunnerOutput()
+        if step.sampled is not None:
+            sampled = to_host(step.sampled)
+            out.sampled = {request.request_id: (token, logprobs) for request, token, logprobs
+                           in zip(step.batch.sampling_requests, sampled.token_ids, sampled.logprobs)}
+        for rows, scores in step.prompt_scores:
+            out.prompt_logprobs[rows.request.request_id] = (
+                rows.first_position + 1, scores_to_host(scores, [rows.request.sampling_params.prompt_logprobs] *
+                                                        len(rows.targets)))
         return out
 
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
-        for request in requests:
-            if request.generator is None and request.sampling_params.seed is not None:
-                request.generator = torch.Generator(device=self.device).manual_seed(request.sampling_params.seed)
-        return SamplingBatch(
-            params=[r.sampling_params for r in requests],
-            output_token_ids=[r.output_token_ids for r in requests],
-            prompt_token_ids=[r.prompt_token_ids for r in requests],
-            generators=[r.generator for r in requests],
-        )
+
+@dataclass
+class LaunchedStep:
+    """A step whose device work is enqueued: its inputs and the device tensors its outputs will land in."""
+
+    batch: HostBatch
+    sampled: SampledTokens | None
+    prompt_scores: list[tuple[PromptLogprobRows, ScoreTensors]]
 
 
-def _by_request(batch: HostBatch, sampled: SamplerOutput) -> dict:
-    return {request.request_id: (token, logprobs)
-            for request, token, logprobs in zip(batch.sampling_requests, sampled.token_ids, sampled.logprobs)}
+def _sampling_batch(requests: list[Request]) -> SamplingBatch:
+    return SamplingBatch(
+        params=[r.sampling_params for r in requests],
+        output_token_ids=[r.output_token_ids for r in requests],
+        prompt_token_ids=[r.prompt_token_ids for r in requests],
+        draw_indices=[len(r.output_token_ids) + r.num_pending_tokens for r in requests],
+    )
 
 
-def _score_prompt(logits: torch.Tensor, targets: list[int], top_n: int) -> list[TokenScore]:
+def _ids_sampled_by(previous: LaunchedStep, batch: HostBatch) -> torch.Tensor:
+    """Input ids [num_decodes] of this step's leading decode rows, gathered from what `previous` samples."""
+    row_of = {id(r): i for i, r in enumerate(previous.batch.sampling_requests)}
+    rows = [row_of[id(r)] for r in batch.sampling_requests[:batch.num_decodes]]
+    sampled = previous.sampled.token_ids
+    if rows == list(range(len(rows))):
+        return sampled[:len(rows)]
+    return sampled[to_device_async(torch.tensor(rows), sampled.device)]
+
+
+def _score_prompt(logits: torch.Tensor, targets: list[int], top_n: int) -> ScoreTensors:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    return score_tokens(logprobs, torch.tensor(targets, device=logits.device), [top_n] * len(targets))
+    return score_tensors(logprobs, to_device_async(torch.tensor(targets), logits.device), top_n)

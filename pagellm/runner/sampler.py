@@ -1,7 +1,9 @@
 """Batched sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Everything runs on the logits' device; the only host transfer is the final one of sampled ids and logprobs.
-A seeded request draws its noise from its own generator, so its tokens do not depend on what else is batched.
+`sample` only enqueues device work and returns device tensors; `to_host` brings them back (a step's one host
+sync), so the engine can launch the next step before this one's tokens are known. On CUDA one Triton kernel draws
+every row (kernels/sampling.py); on the CPU the same law runs as torch ops. A seeded request's noise is keyed by its
+seed and the index of the token it draws, so its tokens do not depend on what else is batched.
 """
 
 from __future__ import annotations
@@ -26,7 +28,26 @@ class SamplingBatch:
     params: list[SamplingParams]
     output_token_ids: list[list[int]]  # tokens generated so far (penalties, min_tokens)
     prompt_token_ids: list[list[int]]  # for the repetition penalty, which counts the prompt too
-    generators: list[torch.Generator | None]
+    draw_indices: list[int]  # which output token of its request each row draws (keys a seeded row's noise)
+
+
+@dataclass
+class ScoreTensors:
+    """Device side of TokenScores: chosen logprob [N], rank [N], top-N values and ids [N, max N]."""
+
+    chosen: torch.Tensor
+    ranks: torch.Tensor
+    top_values: torch.Tensor
+    top_ids: torch.Tensor
+
+
+@dataclass
+class SampledTokens:
+    """What `Sampler.sample` leaves on the device."""
+
+    token_ids: torch.Tensor  # [N] int64
+    scores: ScoreTensors | None  # when some row asked for logprobs
+    want_logprobs: list[int | None]
 
 
 @dataclass
@@ -35,33 +56,74 @@ class SamplerOutput:
     logprobs: list[TokenScore | None]  # per row, when logprobs were asked for
 
 
+def row_values(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """One value per row, on the device."""
+    return to_device_async(torch.tensor(values, dtype=dtype), device)
+
+
+def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy a host tensor to the device without waiting for the device: through pinned memory, since a copy from
+    pageable memory may wait for the stream (and `torch.tensor(..., device=cuda)` always does), which would stall
+    asynchronous scheduling."""
+    if device.type == "cpu":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
+def request_seed(seed: int, draw_index: int) -> int:
+    """The noise key of a seeded request's draw_index-th token (Python hashes ints the same in every process)."""
+    return hash((seed, draw_index)) & (2**62 - 1)
+
+
 class Sampler:
     def __init__(self, seed: int, device: torch.device) -> None:
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator(device=device).manual_seed(seed)  # torch path: unseeded rows' noise
+        self.seed_generator = torch.Generator().manual_seed(seed)  # Triton path: unseeded rows' keys
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        return to_host(self.sample(logits, batch))
 
     @torch.inference_mode()
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
         logits = logits.float()
         want_logprobs = [p.logprobs for p in batch.params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         logits = apply_penalties(logits, batch)
         logits = mask_stop_tokens_before_min(logits, batch)
         token_ids = self._sample(logits, batch)
-        logprobs = gather_logprobs(raw_logprobs, token_ids, want_logprobs)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        scores = None
+        if raw_logprobs is not None:
+            scores = score_tensors(raw_logprobs, token_ids, max(n or 0 for n in want_logprobs))
+        return SampledTokens(token_ids, scores, want_logprobs)
 
     def _sample(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        token_ids = logits.argmax(dim=-1)
         params = batch.params
-        if all(p.greedy for p in params):  # decided on the host: no device sync
-            return token_ids
-        greedy = torch.tensor([p.greedy for p in params], device=logits.device)
-        probs = filtered_probs(logits, params)
+        if all(p.greedy for p in params):  # decided on the host
+            return logits.argmax(dim=-1)
+        logits = scaled_and_masked(logits, params)
+        if logits.is_cuda:
+            from pagellm.kernels.sampling import sample_rows
+
+            greedy = row_values([p.greedy for p in params], logits.device, torch.int32)
+            top_p = row_values([p.top_p for p in params], logits.device)
+            return sample_rows(logits.contiguous(), greedy, top_p, self._row_seeds(batch))
+        greedy = row_values([p.greedy for p in params], logits.device, torch.bool)
+        token_ids = logits.argmax(dim=-1)
+        probs = torch.softmax(logits, dim=-1)
+        generators = [None if p.seed is None else torch.Generator(device=logits.device).manual_seed(
+            request_seed(p.seed, k)) for p, k in zip(params, batch.draw_indices)]
         if any(p.top_p < 1 for p in params):
-            sampled = self._sample_nucleus(probs, params, batch.generators)
+            sampled = self._sample_nucleus(probs, params, generators)
         else:
-            sampled = (probs / self._exponential_noise(probs, batch.generators)).argmax(dim=-1)
+            sampled = (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
         return torch.where(greedy, token_ids, sampled)
+
+    def _row_seeds(self, batch: SamplingBatch) -> torch.Tensor:
+        seeds = torch.randint(0, 2**62, (len(batch.params),), generator=self.seed_generator)
+        for row, (p, k) in enumerate(zip(batch.params, batch.draw_indices)):
+            if p.seed is not None:
+                seeds[row] = request_seed(p.seed, k)
+        return to_device_async(seeds, self.generator.device)
 
     def _sample_nucleus(self, probs: torch.Tensor, params: list[SamplingParams],
                         generators: list[torch.Generator | None]) -> torch.Tensor:
@@ -71,7 +133,7 @@ class Sampler:
         nucleus from below, so the next round draws only from tokens more likely than it. Later rounds run on
         the rejected rows alone (a few percent of them; finding them costs a host sync), and rows still rejected
         after NUCLEUS_ROUNDS rounds take the sorting path."""
-        top_p = torch.tensor([p.top_p for p in params], device=probs.device)[:, None]
+        top_p = row_values([p.top_p for p in params], probs.device)[:, None]
         sampled = (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
         draw = sampled
         rows = list(range(probs.shape[0]))  # the rows still being drawn, and their draws this round
@@ -112,9 +174,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     counts = _token_counts(batch.output_token_ids, vocab, device)
     seen = counts > 0
     seen |= _token_counts(batch.prompt_token_ids, vocab, device) > 0
-    rep = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-    pres = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-    freq = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+    rep = row_values([p.repetition_penalty for p in params], device)[:, None]
+    pres = row_values([p.presence_penalty for p in params], device)[:, None]
+    freq = row_values([p.frequency_penalty for p in params], device)[:, None]
     penalized = torch.where(logits > 0, logits / rep, logits * rep)
     logits = torch.where(seen, penalized, logits)
     return logits - freq * counts - pres * (counts > 0).float()
@@ -142,26 +204,27 @@ def mask_stop_tokens_before_min(logits: torch.Tensor, batch: SamplingBatch) -> t
     return logits
 
 
-def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """softmax(logits / T) without the tokens below min_p times the top probability, then only the top-k;
-    renormalized. Top-p is left to the draw (vLLM's order: temperature, min-p, top-k, top-p)."""
+def scaled_and_masked(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits / T, with -inf for the tokens below min_p times the top probability, then for all but the top-k.
+    Top-p is left to the draw (vLLM's order: temperature, min-p, top-k, top-p). Greedy rows stay unscaled."""
     device = logits.device
-    temperature = torch.tensor([p.temperature or 1.0 for p in params], device=device)[:, None]
+    temperature = row_values([p.temperature or 1.0 for p in params], device)[:, None]
     logits = logits / temperature
     if any(p.min_p > 0 for p in params):
         # probs < min_p * max_prob  <=>  logit < max_logit + log(min_p)
-        min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+        min_p = row_values([p.min_p for p in params], device)[:, None]
         logits = logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + min_p.log(), float("-inf"))
     if any(p.top_k for p in params):
         logits = _apply_top_k(logits, params)
-    return torch.softmax(logits, dim=-1)
+    return logits
 
 
 def _apply_top_k(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Keep each row's top_k logits (all of them where top_k = 0): a partial top-k, not a sort of the vocabulary."""
     vocab = logits.shape[-1]
-    top_k = torch.tensor([min(p.top_k or vocab, vocab) for p in params], device=logits.device)[:, None]
-    largest = logits.topk(int(top_k.max()), dim=-1).values
+    ks = [min(p.top_k or vocab, vocab) for p in params]
+    top_k = row_values(ks, logits.device, torch.int64)[:, None]
+    largest = logits.topk(max(ks), dim=-1).values
     kth = largest.gather(-1, top_k - 1)
     return logits.masked_fill(logits < kth, float("-inf"))
 
@@ -177,18 +240,27 @@ def nucleus_probs(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     return kept / kept.sum(dim=-1, keepdim=True)
 
 
-def gather_logprobs(raw_logprobs: torch.Tensor | None, token_ids: torch.Tensor,
-                    want: list[int | None]) -> list[TokenScore | None]:
-    if raw_logprobs is None:
-        return [None] * len(want)
-    scores = score_tokens(raw_logprobs, token_ids, [n or 0 for n in want])
-    return [None if n is None else score for n, score in zip(want, scores)]
+def score_tensors(logprobs: torch.Tensor, token_ids: torch.Tensor, top_n: int) -> ScoreTensors:
+    """Per row: the token's logprob, its rank (1 = most likely) and the row's top_n (values, ids)."""
+    chosen = logprobs.gather(-1, token_ids[:, None])
+    top_values, top_ids = logprobs.topk(max(top_n, 1), dim=-1)
+    return ScoreTensors(chosen[:, 0], (logprobs > chosen).sum(dim=-1) + 1, top_values, top_ids)
+
+
+def scores_to_host(scores: ScoreTensors, top_ns: list[int]) -> list[TokenScore]:
+    chosen, ranks = scores.chosen.tolist(), scores.ranks.tolist()
+    top_values, top_ids = scores.top_values.tolist(), scores.top_ids.tolist()
+    return [(chosen[r], ranks[r], list(zip(top_ids[r][:n], top_values[r][:n]))) for r, n in enumerate(top_ns)]
 
 
 def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, top_ns: list[int]) -> list[TokenScore]:
-    """For each row: the token's logprob, its rank (1 = most likely) and the row's top-N (token, logprob)."""
-    chosen = logprobs.gather(-1, token_ids[:, None])
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    top_vals, top_ids = logprobs.topk(max(max(top_ns), 1), dim=-1)
-    chosen, top_vals, top_ids = chosen[:, 0].tolist(), top_vals.tolist(), top_ids.tolist()
-    return [(chosen[r], ranks[r], list(zip(top_ids[r][:n], top_vals[r][:n]))) for r, n in enumerate(top_ns)]
+    return scores_to_host(score_tensors(logprobs, token_ids, max(top_ns)), top_ns)
+
+
+def to_host(sampled: SampledTokens) -> SamplerOutput:
+    """The sampled ids and logprobs as Python values: waits for the device."""
+    want = sampled.want_logprobs
+    if sampled.scores is None:
+        return SamplerOutput(sampled.token_ids.tolist(), [None] * len(want))
+    scores = scores_to_host(sampled.scores, [n or 0 for n in want])
+    return SamplerOutput(sampled.token_ids.tolist(), [None if n is None else sc for n, sc in zip(want, scores)])

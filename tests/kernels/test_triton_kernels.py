@@ -67,12 +67,14 @@ def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
     ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
                                     value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
                                     1, max(seq_lens), *scales)
-    split = split_size_for(2048)
-    out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, max(seq_lens), split, *scales)
-    assert rel_err(out, ref) < TOL[dtype]
-    # A grid sized for a longer max length (as under CUDA-graph capture) gives the same result.
-    wide = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, 2048, split, *scales)
-    assert torch.equal(wide, out)
+    for num_seqs in (len(seq_lens), 64):  # the small-batch split size (finer) and the large-batch one
+        split = split_size_for(2048, num_seqs)
+        out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, max(seq_lens), split,
+                                     *scales)
+        assert rel_err(out, ref) < TOL[dtype]
+        # A grid sized for a longer max length (as under CUDA-graph capture) gives the same result.
+        wide = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, 2048, split, *scales)
+        assert torch.equal(wide, out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -1,0 +1,67 @@
+"""The Triton sampling kernel's law against the distribution each parameter specifies (as tests/test_sampler.py
+does for the torch path). The interpreter is slow per row, so CPU runs draw fewer rows under wider bounds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import SamplingParams
+from pagellm.kernels.sampling import sample_rows
+from pagellm.runner.sampler import scaled_and_masked
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+N = 40_000 if DEVICE == "cuda" else 400
+LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def draw(params: SamplingParams, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    rows = N if seeds is None else seeds.numel()
+    logits = scaled_and_masked(LOGITS.expand(rows, -1).clone(), [params] * rows).to(DEVICE)
+    greedy = torch.full((rows,), int(params.greedy), dtype=torch.int32, device=DEVICE)
+    top_p = torch.full((rows,), params.top_p, device=DEVICE)
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(0))
+    return sample_rows(logits, greedy, top_p, seeds.to(DEVICE)).cpu()
+
+
+def assert_law(tokens: torch.Tensor, probs: torch.Tensor) -> None:
+    freq = torch.bincount(tokens, minlength=len(probs)).float() / len(tokens)
+    tol = 4.5 * torch.sqrt(probs * (1 - probs) / len(tokens)) + 1e-9
+    assert torch.all((freq - probs).abs() <= tol), (freq, probs)
+    assert torch.all(freq[probs == 0] == 0), (freq, probs)
+
+
+def nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    keep = (probs.cumsum(0) - probs) < top_p  # LOGITS are sorted: the nucleus is a prefix
+    kept = torch.where(keep, probs, torch.zeros_like(probs))
+    return kept / kept.sum()
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature(temperature):
+    assert_law(draw(SamplingParams(temperature=temperature)), torch.softmax(LOGITS / temperature, 0))
+
+
+@pytest.mark.parametrize("top_p", [0.3, 0.7, 0.95])
+def test_top_p_keeps_the_smallest_nucleus(top_p):
+    # 0.3: only the top token, reached after rejections; 0.95: most draws accepted at once.
+    assert_law(draw(SamplingParams(top_p=top_p)), nucleus(torch.softmax(LOGITS, 0), top_p))
+
+
+def test_min_p_then_top_k_then_top_p():
+    probs = torch.softmax(LOGITS / 0.7, 0)
+    probs = torch.where(probs >= 0.1 * probs.max(), probs, torch.zeros_like(probs))
+    probs[5:] = 0
+    assert_law(draw(SamplingParams(temperature=0.7, min_p=0.1, top_k=5, top_p=0.8)), nucleus(probs / probs.sum(), 0.8))
+
+
+def test_greedy_rows_take_the_argmax():
+    assert torch.all(draw(SamplingParams(temperature=0), torch.arange(16)) == 0)
+
+
+def test_seeds_reproduce_draws():
+    seeds = torch.arange(64)
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    first, again, other = draw(params, seeds), draw(params, seeds), draw(params, seeds + 1000)
+    assert torch.equal(first, again) and not torch.equal(first, other)
