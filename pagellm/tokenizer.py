@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 from tokenizers.decoders import DecodeStream
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagellm.errors import InvalidParameter
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -27,6 +29,8 @@ class Tokenizer:
         path = Path(path)
         if not any((path / name).exists() for name in TOKENIZER_FILES):
             return None
+        from transformers import AutoTokenizer  # a second of import time, spent only on models with a tokenizer
+
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
     @property

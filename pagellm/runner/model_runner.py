@@ -23,7 +23,9 @@ from pagellm.runner.sampler import (
     SamplingBatch,
     ScoreTensors,
     TokenScore,
+    copy_to_host,
     score_tensors,
+    scores_copy_to_host,
     scores_to_host,
     to_device_async,
     to_host,
@@ -166,13 +168,24 @@ class ModelRunner:
         prompt_scores = [(rows, _score_prompt(logits[rows.rows], rows.targets,
                                               rows.request.sampling_params.prompt_logprobs))
                          for rows in batch.prompt_logprob_rows]
-        return LaunchedStep(batch, sampled, prompt_scores)
+        # Start the copies to the host now and mark their end: waiting on a plain `.tolist()` later would also
+        # wait for whatever was launched after this step (the next step, under asynchronous scheduling).
+        sampled_host = copy_to_host(sampled) if sampled is not None else None
+        prompt_scores = [(rows, scores_copy_to_host(scores)) for rows, scores in prompt_scores]
+        copied = None
+        if self.device.type == "cuda":
+            copied = torch.cuda.Event()
+            copied.record()
+        return LaunchedStep(batch, sampled, sampled_host, prompt_scores, copied)
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
-        """Wait for a launched step; its sampled tokens and logprobs as Python values."""
+        """Wait for a launched step's outputs to reach the host; its sampled tokens and logprobs as Python
+        values."""
+        if step.copied is not None:
+            step.copied.synchronize()
         out = RunnerOutput()
-        if step.sampled is not None:
-            sampled = to_host(step.sampled)
+        if step.sampled_host is not None:
+            sampled = to_host(step.sampled_host)
             out.sampled = {request.request_id: (token, logprobs) for request, token, logprobs
                            in zip(step.batch.sampling_requests, sampled.token_ids, sampled.logprobs)}
         for rows, scores in step.prompt_scores:
@@ -187,8 +200,10 @@ class LaunchedStep:
     """A step whose device work is enqueued: its inputs and the device tensors its outputs will land in."""
 
     batch: HostBatch
-    sampled: SampledTokens | None
-    prompt_scores: list[tuple[PromptLogprobRows, ScoreTensors]]
+    sampled: SampledTokens | None  # on the device, where the next step may read its token ids
+    sampled_host: SampledTokens | None  # host copies, complete once `copied` has passed
+    prompt_scores: list[tuple[PromptLogprobRows, ScoreTensors]]  # host copies, likewise
+    copied: torch.cuda.Event | None  # None on the CPU, where everything is done already
 
 
 def _sampling_batch(requests: list[Request]) -> SamplingBatch:

@@ -257,8 +257,26 @@ def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, top_ns: list[i
     return scores_to_host(score_tensors(logprobs, token_ids, max(top_ns)), top_ns)
 
 
+def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy into pinned host memory (complete once the stream passes this point)."""
+    if tensor.device.type == "cpu":
+        return tensor
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor, non_blocking=True)
+
+
+def scores_copy_to_host(scores: ScoreTensors) -> ScoreTensors:
+    return ScoreTensors(_copy_to_host(scores.chosen), _copy_to_host(scores.ranks), _copy_to_host(scores.top_values),
+                        _copy_to_host(scores.top_ids))
+
+
+def copy_to_host(sampled: SampledTokens) -> SampledTokens:
+    scores = None if sampled.scores is None else scores_copy_to_host(sampled.scores)
+    return SampledTokens(_copy_to_host(sampled.token_ids), scores, sampled.want_logprobs)
+
+
 def to_host(sampled: SampledTokens) -> SamplerOutput:
-    """The sampled ids and logprobs as Python values: waits for the device."""
+    """The sampled ids and logprobs as Python values (waits for the device if they are still there)."""
     want = sampled.want_logprobs
     if sampled.scores is None:
         return SamplerOutput(sampled.token_ids.tolist(), [None] * len(want))
