@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import load_kv_tile
+from pagellm.kernels.paged_kv import accumulate, load_kv_tile, tile_scores
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 BLOCK_N = {False: 32, True: 128}  # context tokens per tile, by "K/V are int8"
@@ -71,23 +71,13 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, offs, n_mask, d,
             d_mask, stride_bt, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, block_size, q.dtype,
             KV_INT8)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if KV_INT8:
-            s = s * k_scale[None, :]
+        s = tile_scores(q, k, k_scale, KV_INT8, IEEE)
         s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_INT8:
-            p = p * v_scale[None, :]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = accumulate(acc, alpha, p, v, v_scale, KV_INT8, IEEE)
         m_i = m_new
     out = acc / l_i[:, None]
     lse = m_i + tl.log(l_i)

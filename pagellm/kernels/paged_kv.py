@@ -1,4 +1,5 @@
-"""Triton helper shared by the attention kernels: loading one tile of K and V through the block table."""
+"""Triton helpers shared by the attention kernels: loading one tile of K and V through the block table, the
+tile's scores, and folding the tile into the running output."""
 
 from __future__ import annotations
 
@@ -29,3 +30,25 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table
         k_scale = tl.full(offs.shape, 1.0, tl.float32)
         v_scale = k_scale
     return k, v, k_scale, v_scale
+
+
+@triton.jit
+def tile_scores(q, k, k_scale, KV_INT8: tl.constexpr, IEEE: tl.constexpr):
+    """q @ k^T [rows, BLOCK_N] in fp32, with INT8 keys' scales folded in (IEEE: exact fp32 products)."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if KV_INT8:
+        s = s * k_scale[None, :]
+    return s
+
+
+@triton.jit
+def accumulate(acc, alpha, p, v, v_scale, KV_INT8: tl.constexpr, IEEE: tl.constexpr):
+    """acc * alpha + p @ v: the online-softmax update, with INT8 values' scales folded into p."""
+    if KV_INT8:
+        p = p * v_scale[None, :]
+    if IEEE:
+        return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import load_kv_tile
+from pagellm.kernels.paged_kv import accumulate, load_kv_tile, tile_scores
 
 
 # The block-table width changes with the batch; specializing on it would recompile mid-serving.
@@ -49,12 +49,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, offs, n_mask, d,
             d_mask, stride_bt, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, block_size, q.dtype,
             KV_INT8)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        if KV_INT8:
-            s = s * k_scale[None, :]
+        s = tile_scores(q, k, k_scale, KV_INT8, IEEE)
         visible = (offs[None, :] <= context + rows[:, None]) & n_mask[None, :]
         s = tl.where(visible, s * sm_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -62,12 +57,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
         alpha = tl.exp(m_i - m_safe)
         p = tl.exp(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_INT8:
-            p = p * v_scale[None, :]
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = accumulate(acc, alpha, p, v, v_scale, KV_INT8, IEEE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
