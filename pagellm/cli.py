@@ -44,7 +44,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
                 max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                 gpu_memory_utilization=args.gpu_memory_utilization,
                 enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                async_scheduling=not args.no_async_scheduling, load_format=args.load_format, seed=args.seed, quiet=args.quiet)
+                async_scheduling=not args.no_async_scheduling, load_format=args.load_format, seed=args.seed,
+                quiet=args.quiet)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

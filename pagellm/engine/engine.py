@@ -224,14 +224,13 @@ class Engine:
                 request.num_pending_tokens -= 1
             if request.status.finished:  # stopped (or aborted) while this step was in flight
                 continue
+            self.kv_cache.cache_full_blocks(request)
             if request.request_id in result.prompt_logprobs:
                 self._add_prompt_logprobs(request, *result.prompt_logprobs[request.request_id])
             if sampled is not None:
                 self._append_token(request, *sampled)
                 if request.status.finished or request.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY:
                     touched[request.parent_id] = None
-            if not request.status.finished:
-                self.kv_cache.cache_full_blocks(request)
         outputs = []
         for parent_id in touched:
             children = self._groups[parent_id]

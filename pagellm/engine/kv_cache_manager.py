@@ -87,8 +87,9 @@ class KVCacheManager:
         return True
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's computed, full blocks in the prefix cache (called after the forward pass)."""
-        num_full = request.num_computed_tokens // self.block_size
+        """Register the request's computed, full blocks in the prefix cache (called after the forward pass).
+        Only blocks whose tokens are known count: a step in flight may have computed a token not back yet."""
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if not self.enable_prefix_caching or num_full <= request.num_registered_blocks:
             return
         self._hash_full_blocks(request, num_full)

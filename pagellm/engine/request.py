@@ -61,7 +61,9 @@ class Request:
 
     def token_at(self, position: int) -> int:
         prompt_len = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < prompt_len else self.output_token_ids[position - prompt_len]
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """all_token_ids[start:end], without concatenating the whole sequence."""

@@ -142,9 +142,6 @@ class ModelRunner:
                                        self.max_model_len, self.block_size, self.device)
             self.graphs.capture()
 
-    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        return self.collect(self.launch(sched))
-
     @torch.inference_mode()
     def launch(self, sched: SchedulerOutput, previous: LaunchedStep | None = None) -> LaunchedStep:
         """Enqueue one step's forward pass and sampling on the device and return without waiting for them.

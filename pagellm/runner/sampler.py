@@ -1,9 +1,9 @@
 """Batched sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-`sample` only enqueues device work and returns device tensors; `to_host` brings them back (a step's one host
-sync), so the engine can launch the next step before this one's tokens are known. On CUDA one Triton kernel draws
-every row (kernels/sampling.py); on the CPU the same law runs as torch ops. A seeded request's noise is keyed by its
-seed and the index of the token it draws, so its tokens do not depend on what else is batched.
+`sample` only enqueues device work and returns device tensors (the runner copies them to the host behind an event
+and waits for that alone), so the engine can launch the next step before this one's tokens are known. On CUDA one
+Triton kernel draws every row (kernels/sampling.py); on the CPU the same law runs as torch ops. A seeded request's
+noise is keyed by its seed and the index of the token it draws, so its tokens do not depend on what else is batched.
 """
 
 from __future__ import annotations
@@ -251,10 +251,6 @@ def scores_to_host(scores: ScoreTensors, top_ns: list[int]) -> list[TokenScore]:
     chosen, ranks = scores.chosen.tolist(), scores.ranks.tolist()
     top_values, top_ids = scores.top_values.tolist(), scores.top_ids.tolist()
     return [(chosen[r], ranks[r], list(zip(top_ids[r][:n], top_values[r][:n]))) for r, n in enumerate(top_ns)]
-
-
-def score_tokens(logprobs: torch.Tensor, token_ids: torch.Tensor, top_ns: list[int]) -> list[TokenScore]:
-    return scores_to_host(score_tensors(logprobs, token_ids, max(top_ns)), top_ns)
 
 
 def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
