@@ -26,9 +26,13 @@ COLD_START = """
 import json, sys, time
 t0 = time.perf_counter()
 from pagellm import LLM, SamplingParams
+t1 = time.perf_counter()
 llm = LLM(sys.argv[1], load_format="dummy", max_model_len=4096, max_num_seqs=64, quiet=True)
+t2 = time.perf_counter()
 llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), use_tqdm=False)
-print(json.dumps({"total": time.perf_counter() - t0, **llm.engine.startup_seconds}))
+t3 = time.perf_counter()
+print(json.dumps({"total": t3 - t0, "import": t1 - t0, "engine": t2 - t1, "first_request": t3 - t2,
+                  **llm.engine.startup_seconds}))
 """
 
 
@@ -46,7 +50,8 @@ def decode_rate(llm: LLM, batch: int, prompt_len: int, new_tokens: int) -> tuple
 
 
 def cold_start(path: str, fresh_triton_cache: bool) -> dict[str, float]:
-    """Seconds from a fresh process's `import pagellm` to its first token ("total"), and the engine's phases."""
+    """Seconds from a fresh process's `import pagellm` to its first token ("total"), split into the import, the
+    engine's construction (and its phases) and the first request."""
     import os
     import tempfile
 
