@@ -87,6 +87,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def has_penalties(self) -> bool:
+        """Whether sampling depends on the tokens seen so far (repetition, presence or frequency penalty)."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n samples: one output each, seeds kept distinct."""
         seed = None if self.seed is None else self.seed + index

@@ -350,8 +350,7 @@ class _InFlight:
 def _needs_host_tokens(request: Request) -> bool:
     """Whether sampling this request's next token needs its previous one on the host."""
     p = request.sampling_params
-    return (p.repetition_penalty != 1 or p.presence_penalty != 0 or p.frequency_penalty != 0
-            or len(request.output_token_ids) + request.num_pending_tokens < p.min_tokens)
+    return p.has_penalties or len(request.output_token_ids) + request.num_pending_tokens < p.min_tokens
 
 
 def _stop_prefix_len(text: str, stops: list[str]) -> int:

@@ -13,7 +13,7 @@ import torch
 from pagellm.engine.request import Request
 from pagellm.engine.scheduler import SchedulerOutput
 from pagellm.model.attention import AttentionMetadata
-from pagellm.runner.sampler import to_device_async
+from pagellm.runner.transfers import to_device_async
 
 
 @dataclass

@@ -27,9 +27,9 @@ from pagellm.runner.sampler import (
     score_tensors,
     scores_copy_to_host,
     scores_to_host,
-    to_device_async,
     to_host,
 )
+from pagellm.runner.transfers import to_device_async
 from pagellm.sampling_params import SamplingParams
 
 

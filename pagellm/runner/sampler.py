@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagellm.runner.transfers import to_device_async, to_host_async
 from pagellm.sampling_params import SamplingParams
 
 # Top-p draws from the whole vocabulary and rejects tokens outside the nucleus up to this many times, then sorts.
@@ -59,15 +60,6 @@ class SamplerOutput:
 def row_values(values: list, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """One value per row, on the device."""
     return to_device_async(torch.tensor(values, dtype=dtype), device)
-
-
-def to_device_async(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy a host tensor to the device without waiting for the device: through pinned memory, since a copy from
-    pageable memory may wait for the stream (and `torch.tensor(..., device=cuda)` always does), which would stall
-    asynchronous scheduling."""
-    if device.type == "cpu":
-        return tensor
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def request_seed(seed: int, draw_index: int) -> int:
@@ -168,7 +160,7 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """OpenAI presence/frequency penalties on generated tokens; the repetition penalty (CTRL) on prompt and
     generated tokens: positive logits divided by it, negative ones multiplied."""
     params = batch.params
-    if all(p.repetition_penalty == 1 and p.presence_penalty == 0 and p.frequency_penalty == 0 for p in params):
+    if not any(p.has_penalties for p in params):
         return logits
     device, vocab = logits.device, logits.shape[-1]
     counts = _token_counts(batch.output_token_ids, vocab, device)
@@ -253,22 +245,14 @@ def scores_to_host(scores: ScoreTensors, top_ns: list[int]) -> list[TokenScore]:
     return [(chosen[r], ranks[r], list(zip(top_ids[r][:n], top_values[r][:n]))) for r, n in enumerate(top_ns)]
 
 
-def _copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """An asynchronous copy into pinned host memory (complete once the stream passes this point)."""
-    if tensor.device.type == "cpu":
-        return tensor
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor, non_blocking=True)
-
-
 def scores_copy_to_host(scores: ScoreTensors) -> ScoreTensors:
-    return ScoreTensors(_copy_to_host(scores.chosen), _copy_to_host(scores.ranks), _copy_to_host(scores.top_values),
-                        _copy_to_host(scores.top_ids))
+    return ScoreTensors(to_host_async(scores.chosen), to_host_async(scores.ranks), to_host_async(scores.top_values),
+                        to_host_async(scores.top_ids))
 
 
 def copy_to_host(sampled: SampledTokens) -> SampledTokens:
     scores = None if sampled.scores is None else scores_copy_to_host(sampled.scores)
-    return SampledTokens(_copy_to_host(sampled.token_ids), scores, sampled.want_logprobs)
+    return SampledTokens(to_host_async(sampled.token_ids), scores, sampled.want_logprobs)
 
 
 def to_host(sampled: SampledTokens) -> SamplerOutput:
