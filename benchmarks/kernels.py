@@ -21,6 +21,7 @@ from pagellm.kernels.decode_attention import paged_decode_attention, split_size_
 from pagellm.kernels.kv_write import write_kv  # noqa: E402
 from pagellm.kernels.reference import quantize_int8  # noqa: E402
 from pagellm.kernels.rmsnorm import rms_norm  # noqa: E402
+from pagellm.model.attention import allocate_kv_caches  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 
@@ -37,8 +38,11 @@ def paged_cache(batch: int, ctx: int, int8: bool, gen: torch.Generator):
     tables = torch.randperm(num_blocks, device="cuda", generator=gen).view(batch, blocks_per_seq).to(torch.int32)
     if not int8:
         return k, v, None, None, tables
+    cache = allocate_kv_caches(1, num_blocks, BLOCK, KV_HEADS, DIM, torch.int8, k.device)[0]  # engine layout
     (kq, ks), (vq, vs) = quantize_int8(k), quantize_int8(v)
-    return kq, vq, ks, vs, tables
+    for dst, src in zip((cache.key, cache.value, cache.key_scale, cache.value_scale), (kq, vq, ks, vs)):
+        dst.copy_(src)
+    return cache.key, cache.value, cache.key_scale, cache.value_scale, tables
 
 
 def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
@@ -80,12 +84,10 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
     slots = torch.randperm(65536, device="cuda", generator=gen)[:8192]
     kv = torch.randn(8192, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     for int8 in (False, True):
-        cache = torch.zeros(4096, BLOCK, KV_HEADS, DIM, device="cuda", dtype=torch.int8 if int8 else torch.bfloat16)
-        scales = torch.zeros(4096, BLOCK, KV_HEADS, device="cuda") if int8 else None
-        vcache = torch.zeros_like(cache)
-        vscales = torch.zeros_like(scales) if int8 else None
-        ms = bench_ms(lambda: write_kv(kv, kv, cache, vcache, slots, scales, vscales))
-        moved = 2 * kv.numel() * 2 + 2 * kv.numel() * cache.element_size()
+        cache = allocate_kv_caches(1, 4096, BLOCK, KV_HEADS, DIM, torch.int8 if int8 else torch.bfloat16,
+                                   kv.device)[0]
+        ms = bench_ms(lambda: write_kv(kv, kv, cache.key, cache.value, slots, cache.key_scale, cache.value_scale))
+        moved = 2 * kv.numel() * 2 + 2 * kv.numel() * cache.key.element_size()
         rows.append({"kernel": f"kv write {'int8' if int8 else 'bf16'}", "batch": 8192, "context": 0, "ms": ms,
                      "GB/s": moved / ms / 1e6, "% of HBM": 100 * moved / ms / 1e-3 / bandwidth})
     return rows

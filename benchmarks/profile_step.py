@@ -52,6 +52,7 @@ def main() -> None:
     start = time.perf_counter()
     for _ in range(args.steps):
         engine.step()
+    _sync()  # the last step may still be in flight (asynchronous scheduling)
     wall_ms = (time.perf_counter() - start) / args.steps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):

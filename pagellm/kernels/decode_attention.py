@@ -9,8 +9,8 @@ The split size depends on the engine's max_model_len and on whether the batch is
 SMALL_BATCH sequences, a CUDA-graph size, so a padded graph and an eager step of the same batch agree): few
 sequences leave most of the GPU idle unless each context is cut finer. Outputs are therefore invariant to what
 else is batched within each of the two classes, and with the grid sized for max_model_len a captured CUDA graph
-stays valid. INT8 K/V are dequantized by folding the per-token scales into the scores (K) and the probabilities
-(V).
+stays valid. INT8 K/V are converted to fp16 tile by tile (exact) and dequantized by folding the per-token scales
+into the scores (K) and the probabilities (V); see `paged_kv`.
 """
 
 from __future__ import annotations
@@ -19,10 +19,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import accumulate, load_kv_tile, tile_scores
+from pagellm.kernels.paged_kv import (accumulate, asm_conversions, kv_strides, load_kv_tile, query_operand,
+                                      tile_scores)
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
-BLOCK_N = {False: 32, True: 128}  # context tokens per tile, by "K/V are int8"
+# Context tokens per tile, by (K/V are int8, the batch is small).
+BLOCK_N = {(False, False): 32, (False, True): 64, (True, False): 128, (True, True): 128}
 MIN_SPLIT = {True: 128, False: 512}  # context tokens per split, at least, by "the batch is small"
 SMALL_BATCH = 8
 MAX_SPLITS = 64
@@ -38,12 +40,13 @@ def split_size_for(max_model_len: int, num_seqs: int) -> int:
 @triton.jit(do_not_specialize=["stride_bt"])
 def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
                            seq_lens_ptr, part_out_ptr, part_lse_ptr,
-                           stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, stride_bt,
+                           stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                           stride_vd, stride_sb, stride_ss, stride_bt,
                            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                           sm_scale, block_size, split_size,
+                           sm_scale, split_size,
                            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, KV_INT8: tl.constexpr,
-                           IEEE: tl.constexpr):
+                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                           KV_INT8: tl.constexpr, IEEE: tl.constexpr, ASM_CVT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -60,19 +63,18 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = query_operand(q, sm_scale, KV_INT8)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs < end
         k, v, k_scale, v_scale = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, offs, n_mask, d,
-            d_mask, stride_bt, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, block_size, q.dtype,
-            KV_INT8)
-        s = tile_scores(q, k, k_scale, KV_INT8, IEEE)
-        s = tl.where(n_mask[None, :], s * sm_scale, float("-inf"))
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, end, d,
+            d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_sb, stride_ss, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT)
+        s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
+        s = tl.where((n0 + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
@@ -123,17 +125,16 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     out = torch.empty_like(q) if out is None else out
     kv_int8 = key_cache.dtype == torch.int8
     scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
-    stride_sb, stride_ss = (key_scale.stride(0), key_scale.stride(1)) if kv_int8 else (0, 0)
     block_d = triton.next_power_of_2(head_dim)
-    block_n = block_n or BLOCK_N[kv_int8]
+    block_size = key_cache.shape[1]
+    block_n = max(block_n or BLOCK_N[kv_int8, batch <= SMALL_BATCH], block_size)
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q, key_cache, value_cache, scales[0], scales[1], block_tables, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), stride_sb,
-        stride_ss, block_tables.stride(0), part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), scale, key_cache.shape[1], split_size,
-        GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_N=block_n, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, num_warps=num_warps,
-        num_stages=num_stages)
+        q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), scale,
+        split_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32,
+        ASM_CVT=asm_conversions(q), num_warps=num_warps, num_stages=num_stages)
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), split_size,

@@ -10,16 +10,18 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import accumulate, load_kv_tile, tile_scores
+from pagellm.kernels.paged_kv import (accumulate, asm_conversions, kv_strides, load_kv_tile, query_operand,
+                                      tile_scores)
 
 
 # The block-table width changes with the batch; specializing on it would recompile mid-serving.
 @triton.jit(do_not_specialize=["stride_bt"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, qsl_ptr,
-                    seq_lens_ptr, out_ptr, stride_qt, stride_qh, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss,
-                    stride_bt, stride_ot, stride_oh, sm_scale, block_size,
+                    seq_lens_ptr, out_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
+                    stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_bt, stride_ot, stride_oh, sm_scale,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, KV_INT8: tl.constexpr, IEEE: tl.constexpr):
+                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_INT8: tl.constexpr, IEEE: tl.constexpr,
+                    ASM_CVT: tl.constexpr):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -37,21 +39,21 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
                 mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    q = query_operand(q, sm_scale, KV_INT8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
     for n0 in range(0, kv_end, BLOCK_N):
-        offs = n0 + tl.arange(0, BLOCK_N)
-        n_mask = offs < kv_end
         k, v, k_scale, v_scale = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, offs, n_mask, d,
-            d_mask, stride_bt, stride_cb, stride_cs, stride_ch, stride_sb, stride_ss, block_size, q.dtype,
-            KV_INT8)
-        s = tile_scores(q, k, k_scale, KV_INT8, IEEE)
-        visible = (offs[None, :] <= context + rows[:, None]) & n_mask[None, :]
-        s = tl.where(visible, s * sm_scale, float("-inf"))
+            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, kv_end, d,
+            d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
+            stride_sb, stride_ss, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT)
+        s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
+        offs = n0 + tl.arange(0, BLOCK_N)
+        visible = (offs[None, :] <= context + rows[:, None]) & (offs < kv_end)[None, :]
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing: avoid inf - inf
         alpha = tl.exp(m_i - m_safe)
@@ -75,13 +77,14 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     batch = seq_lens.numel()
     kv_int8 = key_cache.dtype == torch.int8
     scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
-    stride_sb, stride_ss = (key_scale.stride(0), key_scale.stride(1)) if kv_int8 else (0, 0)
     block_m = 64 if max_query_len > 32 else 16
+    block_size = key_cache.shape[1]
     grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
         q, key_cache, value_cache, scales[0], scales[1], block_tables, query_start_loc, seq_lens, out,
-        q.stride(0), q.stride(1), key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), stride_sb,
-        stride_ss, block_tables.stride(0), out.stride(0), out.stride(1), scale, key_cache.shape[1],
-        GROUP=num_heads // key_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=64, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, num_warps=4, num_stages=2)
+        q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),
+        out.stride(0), out.stride(1), scale, GROUP=num_heads // key_cache.shape[2], HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=max(64, block_size),
+        BLOCK_SIZE=block_size, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, ASM_CVT=asm_conversions(q),
+        num_warps=4, num_stages=2)
     return out

@@ -55,22 +55,19 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
              slot_mapping: torch.Tensor, key_scale: torch.Tensor | None = None,
              value_scale: torch.Tensor | None = None) -> None:
     """Store key/value [T, Hkv, D] at flat slots (block * block_size + offset) of caches
-    [num_blocks, block_size, Hkv, D]; slot -1 is padding and skipped. INT8 caches get per-token, per-head
-    scales in key_scale/value_scale [num_blocks, block_size, Hkv]."""
+    [num_blocks, block_size, Hkv, D] (any strides); slot -1 is padding and skipped. INT8 caches get per-token,
+    per-head scales in key_scale/value_scale [num_blocks, block_size, Hkv]."""
     keep = slot_mapping >= 0
     if not bool(keep.all()):
         slot_mapping, key, value = slot_mapping[keep], key[keep], value[keep]
-    flat_k = key_cache.view(-1, *key_cache.shape[2:])
-    flat_v = value_cache.view(-1, *value_cache.shape[2:])
+    block, offset = slot_mapping // key_cache.shape[1], slot_mapping % key_cache.shape[1]
     if key_cache.dtype == torch.int8:
-        qk, sk = quantize_int8(key)
-        qv, sv = quantize_int8(value)
-        flat_k[slot_mapping], flat_v[slot_mapping] = qk, qv
-        key_scale.view(-1, key_scale.shape[-1])[slot_mapping] = sk
-        value_scale.view(-1, value_scale.shape[-1])[slot_mapping] = sv
+        (qk, sk), (qv, sv) = quantize_int8(key), quantize_int8(value)
+        key_cache[block, offset], value_cache[block, offset] = qk, qv
+        key_scale[block, offset], value_scale[block, offset] = sk, sv
     else:
-        flat_k[slot_mapping] = key.to(key_cache.dtype)
-        flat_v[slot_mapping] = value.to(value_cache.dtype)
+        key_cache[block, offset] = key.to(key_cache.dtype)
+        value_cache[block, offset] = value.to(value_cache.dtype)
 
 
 @dataclass
@@ -101,9 +98,10 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, se
 def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, key_slots: torch.Tensor,
               dtype: torch.dtype) -> torch.Tensor:
     """Contiguous [B, L, Hkv, D] copy of each sequence's cached keys or values (dequantized)."""
-    out = cache.view(-1, *cache.shape[2:])[key_slots]
+    block, offset = key_slots // cache.shape[1], key_slots % cache.shape[1]
+    out = cache[block, offset]
     if cache.dtype == torch.int8:
-        return (out.float() * scale.view(-1, scale.shape[-1])[key_slots][..., None]).to(dtype)
+        return (out.float() * scale[block, offset][..., None]).to(dtype)
     return out.to(dtype)
 
 

@@ -35,22 +35,29 @@ class AttentionMetadata:
 @dataclass
 class LayerKVCache:
     key: torch.Tensor  # [num_blocks, block_size, Hkv, D]
-    value: torch.Tensor
+    value: torch.Tensor  # same shape; slot-minor in memory when int8
     key_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] fp32, INT8 caches only
     value_scale: torch.Tensor | None = None
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[LayerKVCache]:
+    """Every cache is indexed [block, slot, head, dim]. An INT8 value cache is stored slot-minor
+    ([block, head, dim, slot] in memory, viewed in that order): the attention kernels' probabilities @ values
+    product then reads values contiguous along tokens, which int8 needs to reach the tensor cores quickly."""
     # Zeros, not empty: masked-out garbage could hold NaN, and 0 * NaN poisons the softmax-weighted sum.
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = []
     for _ in range(num_layers):
-        scales = ((torch.zeros(shape[:3], dtype=torch.float32, device=device),
-                   torch.zeros(shape[:3], dtype=torch.float32, device=device))
-                  if dtype == torch.int8 else (None, None))
-        caches.append(LayerKVCache(torch.zeros(shape, dtype=dtype, device=device),
-                                   torch.zeros(shape, dtype=dtype, device=device), *scales))
+        key = torch.zeros(shape, dtype=dtype, device=device)
+        if dtype == torch.int8:
+            value = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
+                                device=device).permute(0, 3, 1, 2)
+            scales = (torch.zeros(shape[:3], dtype=torch.float32, device=device),
+                      torch.zeros(shape[:3], dtype=torch.float32, device=device))
+        else:
+            value, scales = torch.zeros_like(key), (None, None)
+        caches.append(LayerKVCache(key, value, *scales))
     return caches
 
 
@@ -105,8 +112,10 @@ class TritonAttentionBackend:
         n = metadata.num_decodes
         scales = (cache.key_scale, cache.value_scale)
         if n:
+            # The grid is sized for max_model_len, as in the captured graphs: sized for this step's longest
+            # sequence, its split count (a specialized argument) would recompile the kernels mid-serving.
             paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n], metadata.seq_lens[:n],
-                                   scale, metadata.max_seq_len, split_size_for(self.max_model_len, n), *scales,
+                                   scale, self.max_model_len, split_size_for(self.max_model_len, n), *scales,
                                    out=out[:n])
         if n < metadata.seq_lens.numel():
             paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],

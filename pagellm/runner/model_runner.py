@@ -126,9 +126,10 @@ class ModelRunner:
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
         # Sampling's [rows, vocab] temporaries (scaled logits, logprobs) count toward the peak; this also compiles
-        # the sampling kernel now rather than in the first request's latency.
-        params = SamplingParams(temperature=1.0, top_p=0.9, logprobs=20)
-        self.sampler.sample(logits, SamplingBatch([params] * rows, [[]] * rows, [[0]] * rows, [0] * rows))
+        # the sampling kernel, for fp32 logits (the full path) and the model's own (the plain path), now rather
+        # than in the first requests' latency.
+        for params in (SamplingParams(temperature=1.0, top_p=0.9, logprobs=20), SamplingParams(top_p=0.9)):
+            self.sampler.sample(logits, SamplingBatch([params] * rows, [[]] * rows, [[0]] * rows, [0] * rows))
         torch.cuda.synchronize(self.device)
         del caches, hidden, logits
 

@@ -77,8 +77,11 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SampledTokens:
-        logits = logits.float()
         want_logprobs = [p.logprobs for p in batch.params]
+        if logits.is_cuda and all(_temperature_and_top_p_only(p) for p in batch.params):
+            # The common case reads the model's logits as they are: no fp32 copy, temperature in the kernel.
+            return SampledTokens(self._draw(logits, batch, scaled=False), None, want_logprobs)
+        logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want_logprobs) else None
         logits = apply_penalties(logits, batch)
         logits = mask_stop_tokens_before_min(logits, batch)
@@ -94,11 +97,7 @@ class Sampler:
             return logits.argmax(dim=-1)
         logits = scaled_and_masked(logits, params)
         if logits.is_cuda:
-            from pagellm.kernels.sampling import sample_rows
-
-            greedy = row_values([p.greedy for p in params], logits.device, torch.int32)
-            top_p = row_values([p.top_p for p in params], logits.device)
-            return sample_rows(logits.contiguous(), greedy, top_p, self._row_seeds(batch))
+            return self._draw(logits, batch, scaled=True)
         greedy = row_values([p.greedy for p in params], logits.device, torch.bool)
         token_ids = logits.argmax(dim=-1)
         probs = torch.softmax(logits, dim=-1)
@@ -109,6 +108,19 @@ class Sampler:
         else:
             sampled = (probs / self._exponential_noise(probs, generators)).argmax(dim=-1)
         return torch.where(greedy, token_ids, sampled)
+
+    def _draw(self, logits: torch.Tensor, batch: SamplingBatch, scaled: bool) -> torch.Tensor:
+        """The Triton kernel's draw; `scaled`: temperature is already applied to the logits."""
+        from pagellm.kernels.sampling import sample_rows
+
+        params = batch.params
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)
+        device = logits.device
+        inv_temperature = row_values([1.0 if scaled or p.greedy else 1.0 / p.temperature for p in params], device)
+        greedy = row_values([p.greedy for p in params], device, torch.int32)
+        top_p = row_values([p.top_p for p in params], device)
+        return sample_rows(logits.contiguous(), inv_temperature, greedy, top_p, self._row_seeds(batch))
 
     def _row_seeds(self, batch: SamplingBatch) -> torch.Tensor:
         seeds = torch.randint(0, 2**62, (len(batch.params),), generator=self.seed_generator)
@@ -154,6 +166,11 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
         # A zero draw would turn a zero probability into 0/0 = NaN, which argmax takes for the maximum.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _temperature_and_top_p_only(params: SamplingParams) -> bool:
+    return (params.logprobs is None and not params.has_penalties and params.min_tokens == 0 and params.min_p == 0
+            and not params.top_k)
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -16,13 +16,19 @@ LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 
 def draw(params: SamplingParams, seeds: torch.Tensor | None = None) -> torch.Tensor:
+    """Tokens as the sampler draws them: with min-p or top-k the masks need scaled logits, so the sampler scales
+    them first; otherwise the kernel applies the temperature to the logits as they are (fp16 here)."""
     rows = N if seeds is None else seeds.numel()
-    logits = scaled_and_masked(LOGITS.expand(rows, -1).clone(), [params] * rows).to(DEVICE)
+    if params.min_p or params.top_k:
+        logits, inv_temperature = scaled_and_masked(LOGITS.expand(rows, -1).clone(), [params] * rows), 1.0
+    else:
+        logits, inv_temperature = LOGITS.expand(rows, -1).half(), 1.0 / (params.temperature or 1.0)
     greedy = torch.full((rows,), int(params.greedy), dtype=torch.int32, device=DEVICE)
     top_p = torch.full((rows,), params.top_p, device=DEVICE)
     if seeds is None:
         seeds = torch.randint(0, 2**62, (rows,), generator=torch.Generator().manual_seed(0))
-    return sample_rows(logits, greedy, top_p, seeds.to(DEVICE)).cpu()
+    inv_t = torch.full((rows,), inv_temperature, device=DEVICE)
+    return sample_rows(logits.contiguous().to(DEVICE), inv_t, greedy, top_p, seeds.to(DEVICE)).cpu()
 
 
 def assert_law(tokens: torch.Tensor, probs: torch.Tensor) -> None:

@@ -15,6 +15,7 @@ from pagellm.kernels.kv_write import write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
 from pagellm.kernels.rmsnorm import rms_norm
 from pagellm.kernels.rope import apply_rope_
+from pagellm.model.attention import allocate_kv_caches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
@@ -26,11 +27,9 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def make_cache(num_blocks, block_size, kv_heads, dim, kv_dtype, gen):
-    shape = (num_blocks, block_size, kv_heads, dim)
-    k, v = torch.zeros(shape, dtype=kv_dtype, device=DEVICE), torch.zeros(shape, dtype=kv_dtype, device=DEVICE)
-    scales = (torch.zeros(shape[:3], device=DEVICE), torch.zeros(shape[:3], device=DEVICE)) \
-        if kv_dtype == torch.int8 else (None, None)
-    return k, v, scales
+    """A cache in the engine's layout (INT8 values slot-minor)."""
+    cache = allocate_kv_caches(1, num_blocks, block_size, kv_heads, dim, kv_dtype, torch.device(DEVICE))[0]
+    return cache.key, cache.value, (cache.key_scale, cache.value_scale)
 
 
 def fill_sequences(seq_lens, block_size, num_blocks, kv_heads, dim, dtype, kv_dtype, gen):
@@ -75,6 +74,30 @@ def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
         # A grid sized for a longer max length (as under CUDA-graph capture) gives the same result.
         wide = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, 2048, split, *scales)
         assert torch.equal(wide, out)
+
+
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("block_size", [8, 32, 128])
+def test_decode_attention_block_sizes(kv_int8, block_size):
+    """Tiles are read as whole cache blocks: block sizes below, equal to and above the tile."""
+    gen = torch.Generator().manual_seed(block_size + kv_int8)
+    seq_lens = [1, 9, 130, 300]
+    kv_dtype = torch.int8 if kv_int8 else torch.float16
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    key_cache, value_cache, scales, tables = fill_sequences(seq_lens, block_size, num_blocks, 2, 64, torch.float16,
+                                                            kv_dtype, gen)
+    q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE, torch.float16)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
+                                    value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, 0.125, 1,
+                                    max(seq_lens), *scales)
+    out = paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, max(seq_lens),
+                                 split_size_for(512, len(seq_lens)), *scales)
+    assert rel_err(out, ref) < TOL[torch.float16]
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, 0.125, 1, *scales)
+    assert rel_err(out, ref) < TOL[torch.float16]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
