@@ -111,11 +111,11 @@ class Sampler:
 
     def _draw(self, logits: torch.Tensor, batch: SamplingBatch, scaled: bool) -> torch.Tensor:
         """The Triton kernel's draw; `scaled`: temperature is already applied to the logits."""
-        from pagellm.kernels.sampling import sample_rows
+        from pagellm.kernels.sampling import argmax_rows, sample_rows
 
         params = batch.params
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return argmax_rows(logits.contiguous())
         device = logits.device
         inv_temperature = row_values([1.0 if scaled or p.greedy else 1.0 / p.temperature for p in params], device)
         greedy = row_values([p.greedy for p in params], device, torch.int32)

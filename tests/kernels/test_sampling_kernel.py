@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from pagellm import SamplingParams
+from pagellm.kernels import sampling
 from pagellm.kernels.sampling import sample_rows
 from pagellm.runner.sampler import scaled_and_masked
 
@@ -64,6 +65,22 @@ def test_min_p_then_top_k_then_top_p():
 
 def test_greedy_rows_take_the_argmax():
     assert torch.all(draw(SamplingParams(temperature=0), torch.arange(16)) == 0)
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.7])
+def test_draws_across_chunks(monkeypatch, top_p):
+    """LOGITS scattered over a vocabulary of several kernel chunks, one chunk masked out entirely and the last one
+    partial: the chunk-then-token draw and the nucleus passes follow the same law as in one chunk."""
+    monkeypatch.setattr(sampling, "CHUNK", 16)
+    spread = torch.tensor([0, 15, 16, 50, 51, 64, 70, 71])  # chunk 2 (tokens 32..47) holds none of them
+    logits = torch.full((N, 72), float("-inf"))
+    logits[:, spread] = LOGITS
+    seeds = torch.randint(0, 2**62, (N,), generator=torch.Generator().manual_seed(1))
+    ones = torch.ones(N, device=DEVICE)
+    tokens = sample_rows(logits.half().to(DEVICE), ones, torch.zeros(N, dtype=torch.int32, device=DEVICE),
+                         ones * top_p, seeds.to(DEVICE)).cpu()
+    assert torch.isin(tokens, spread).all()
+    assert_law(torch.searchsorted(spread, tokens), nucleus(torch.softmax(LOGITS, 0), top_p))
 
 
 def test_seeds_reproduce_draws():
