@@ -38,10 +38,17 @@ def environment() -> dict:
     return env
 
 
+def _cell(value) -> str:
+    """Floats with two decimals, or three significant digits below 1 (kernel times in ms)."""
+    if not isinstance(value, float):
+        return str(value)
+    return f"{value:.2f}" if abs(value) >= 1 or value == 0 else f"{value:.3g}"
+
+
 def markdown_table(rows: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
-        cells = [f"{row[c]:.2f}" if isinstance(row.get(c), float) else str(row.get(c, "")) for c in columns]
+        cells = [_cell(row.get(c, "")) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

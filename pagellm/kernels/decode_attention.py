@@ -25,15 +25,20 @@ from pagellm.kernels.paged_kv import (accumulate, asm_conversions, kv_strides, l
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 # Context tokens per tile, by (K/V are int8, the batch is small).
 BLOCK_N = {(False, False): 32, (False, True): 64, (True, False): 128, (True, True): 128}
-MIN_SPLIT = {True: 128, False: 512}  # context tokens per split, at least, by "the batch is small"
+MIN_SPLIT = {True: 64, False: 512}  # context tokens per split, at least, by "the batch is small"
 SMALL_BATCH = 8
 MAX_SPLITS = 64
 
 
-def split_size_for(max_model_len: int, num_seqs: int) -> int:
-    """Tokens per split: at least MIN_SPLIT, and few enough splits that a max-length grid stays small."""
+def decode_tile(kv_int8: bool, num_seqs: int, block_size: int) -> int:
+    """Context tokens per tile: the tuned tile, or one whole cache block where blocks are larger."""
+    return max(BLOCK_N[kv_int8, num_seqs <= SMALL_BATCH], block_size)
+
+
+def split_size_for(max_model_len: int, num_seqs: int, tile: int) -> int:
+    """Tokens per split, a multiple of the tile: at least MIN_SPLIT, and few enough splits that a max-length grid
+    stays small."""
     size = max(MIN_SPLIT[num_seqs <= SMALL_BATCH], -(-max_model_len // MAX_SPLITS))
-    tile = max(BLOCK_N.values())
     return -(-size // tile) * tile
 
 
@@ -127,7 +132,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
     block_d = triton.next_power_of_2(head_dim)
     block_size = key_cache.shape[1]
-    block_n = max(block_n or BLOCK_N[kv_int8, batch <= SMALL_BATCH], block_size)
+    block_n = max(block_n, block_size) if block_n else decode_tile(kv_int8, batch, block_size)
+    if split_size <= block_n:
+        num_stages = 1  # one tile per program: nothing to pipeline, and the pipeline's prologue costs ~1 us
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q, key_cache, value_cache, scales[0], scales[1], block_tables, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),

@@ -25,7 +25,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight.is_mkldnn:  # dense in, dense out; the op torch.compile uses for frozen CPU linears
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
         """Store the weight in oneDNN's layout (after loading): fp32 matmuls with few rows stream the weight
@@ -33,6 +33,16 @@ class Linear(nn.Module):
         weight = self.weight.data
         del self.weight
         self.register_buffer("weight", weight.to_mkldnn())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear; one half-precision row on the GPU (batch-1 decode) goes through the GEMV kernel, which streams
+    the weight faster than cuBLAS does for a single row."""
+    if bias is None and x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+        from pagellm.kernels.gemv import gemv
+
+        return gemv(x.contiguous(), weight)
+    return F.linear(x, weight, bias)
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:

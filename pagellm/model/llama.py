@@ -13,7 +13,7 @@ from torch import nn
 
 from pagellm.config import ModelConfig
 from pagellm.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from pagellm.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from pagellm.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, linear
 
 
 class LlamaAttention(nn.Module):
@@ -81,7 +81,7 @@ class LlamaForCausalLM(nn.Module):
         """Logits in the model's dtype: the sampling kernel reads them as they are (an fp32 copy of 256 rows of a
         152k vocabulary costs more than the draw); the paths that need fp32 convert."""
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.embed_tokens.weight)
+            return linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def pack_for_cpu(self) -> None:

@@ -97,7 +97,8 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         self._profile_run(min(cfg.token_budget, max_model_len))
         peak = torch.cuda.max_memory_allocated(self.device) - self._gpu_baseline
-        self._profile_run(16)  # compiles the short-chunk prefill kernel now, not in some request's TTFT
+        for num_tokens in (16, 1):  # compiles the short-chunk prefill and one-row GEMV kernels now, not mid-serving
+            self._profile_run(num_tokens)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = min(cfg.gpu_memory_utilization * total - peak, free - (peak - weights))
@@ -126,9 +127,10 @@ class ModelRunner:
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
         # Sampling's [rows, vocab] temporaries (scaled logits, logprobs) count toward the peak; this also compiles
-        # the sampling kernel, for fp32 logits (the full path) and the model's own (the plain path), now rather
-        # than in the first requests' latency.
-        for params in (SamplingParams(temperature=1.0, top_p=0.9, logprobs=20), SamplingParams(top_p=0.9)):
+        # the sampling kernels, for fp32 logits (the full path) and the model's own (the plain and greedy paths),
+        # now rather than in the first requests' latency.
+        for params in (SamplingParams(temperature=1.0, top_p=0.9, logprobs=20), SamplingParams(top_p=0.9),
+                       SamplingParams(temperature=0)):
             self.sampler.sample(logits, SamplingBatch([params] * rows, [[]] * rows, [[0]] * rows, [0] * rows))
         torch.cuda.synchronize(self.device)
         del caches, hidden, logits

@@ -10,7 +10,8 @@ import torch
 
 from pagellm.kernels import reference
 from pagellm.kernels.activation import silu_and_mul
-from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
+from pagellm.kernels.decode_attention import decode_tile, paged_decode_attention, split_size_for
+from pagellm.kernels.gemv import gemv
 from pagellm.kernels.kv_write import write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
 from pagellm.kernels.rmsnorm import rms_norm
@@ -67,7 +68,7 @@ def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
                                     value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
                                     1, max(seq_lens), *scales)
     for num_seqs in (len(seq_lens), 64):  # the small-batch split size (finer) and the large-batch one
-        split = split_size_for(2048, num_seqs)
+        split = split_size_for(2048, num_seqs, decode_tile(kv_int8, num_seqs, block_size))
         out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, max(seq_lens), split,
                                      *scales)
         assert rel_err(out, ref) < TOL[dtype]
@@ -93,7 +94,8 @@ def test_decode_attention_block_sizes(kv_int8, block_size):
                                     value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, 0.125, 1,
                                     max(seq_lens), *scales)
     out = paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, max(seq_lens),
-                                 split_size_for(512, len(seq_lens)), *scales)
+                                 split_size_for(512, len(seq_lens), decode_tile(kv_int8, len(seq_lens), block_size)),
+                                 *scales)
     assert rel_err(out, ref) < TOL[torch.float16]
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, 0.125, 1, *scales)
@@ -198,3 +200,14 @@ def test_silu_and_mul(dtype, tokens, intermediate):
     gen = torch.Generator().manual_seed(intermediate)
     x = (2 * torch.randn(tokens, 2 * intermediate, generator=gen)).to(DEVICE, dtype)
     assert rel_err(silu_and_mul(x), reference.silu_and_mul(x)) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(37, 300), (1000, 64), (16400, 520)])  # ragged tiles; the wide-N config
+def test_gemv(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
+    weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    out = gemv(x, weight)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, x.double() @ weight.double().T) < TOL[dtype]
