@@ -38,7 +38,8 @@ class Linear(nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; one half-precision row on the GPU (batch-1 decode) goes through the GEMV kernel, which streams
     the weight faster than cuBLAS does for a single row."""
-    if bias is None and x.shape[0] == 1 and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
+    one_row = x.dim() == 2 and x.shape[0] == 1
+    if one_row and bias is None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
         from pagellm.kernels.gemv import gemv
 
         return gemv(x.contiguous(), weight)
