@@ -46,6 +46,12 @@ def _chunk_stats_kernel(logits_ptr, stride_l, inv_temperature_ptr, max_ptr, norm
 
 
 @triton.jit
+def _entry(values, chunks, k):
+    """values[k] of a per-chunk vector (k a runtime index)."""
+    return tl.sum(tl.where(chunks == k, values, 0), axis=0)
+
+
+@triton.jit
 def _probs(base, idx, hi, inv_t, m, inv_z, lower):
     """Probabilities of the tokens idx (zero at or past hi, and for tokens not above `lower`)."""
     x = tl.load(base + idx, mask=idx < hi, other=float("-inf")).to(tl.float32) * inv_t
@@ -92,7 +98,7 @@ def _sample_kernel(logits_ptr, stride_l, inv_temperature_ptr, greedy_ptr, top_p_
     m_c = tl.load(max_ptr + stats, mask=c_mask, other=float("-inf"))
     chunk_top = tl.load(argmax_ptr + stats, mask=c_mask, other=0)
     m = tl.max(m_c, axis=0)
-    top = tl.sum(tl.where(chunks == tl.argmax(m_c, axis=0), chunk_top, 0), axis=0)
+    top = _entry(chunk_top, chunks, tl.argmax(m_c, axis=0))
     token = top
     if not ALL_GREEDY:
         if tl.load(greedy_ptr + row) == 0:
@@ -119,8 +125,7 @@ def _draw(base, vocab, inv_t, top_p, seed, m, top, weight, chunk_top, chunks, nu
     k = tl.where(k < num_chunks, k, tl.max(tl.where(weight > 0, chunks, 0), axis=0))  # rounding at the end
     chunk_start = k * CHUNK
     draw = _inverse_transform(base, chunk_start, tl.minimum(chunk_start + CHUNK, vocab), inv_t, m, inv_z, lower,
-                              tl.sum(tl.where(chunks == k, cum_weight - weight, 0.0), axis=0), u,
-                              tl.sum(tl.where(chunks == k, chunk_top, 0), axis=0), CHUNK)
+                              _entry(cum_weight - weight, chunks, k), u, _entry(chunk_top, chunks, k), CHUNK)
     mass = tl.full([], 1.0, tl.float32)  # of the candidates
     token = top
     accepted = tl.zeros([], tl.int32)

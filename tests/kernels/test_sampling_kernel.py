@@ -8,7 +8,7 @@ import torch
 
 from pagellm import SamplingParams
 from pagellm.kernels import sampling
-from pagellm.kernels.sampling import sample_rows
+from pagellm.kernels.sampling import argmax_rows, sample_rows
 from pagellm.runner.sampler import scaled_and_masked
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -81,6 +81,16 @@ def test_draws_across_chunks(monkeypatch, top_p):
                          ones * top_p, seeds.to(DEVICE)).cpu()
     assert torch.isin(tokens, spread).all()
     assert_law(torch.searchsorted(spread, tokens), nucleus(torch.softmax(LOGITS, 0), top_p))
+
+
+def test_argmax_rows_match_torch(monkeypatch):
+    """The greedy-only launch (first kernel, then no draw) over several chunks, one of them masked out entirely."""
+    monkeypatch.setattr(sampling, "CHUNK", 16)
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.stack([torch.randperm(72, generator=gen) for _ in range(6)]).half()  # distinct: no ties
+    logits[0, 32:48] = float("-inf")
+    logits[1, :64] = float("-inf")
+    assert torch.equal(argmax_rows(logits.to(DEVICE)).cpu(), logits.float().argmax(dim=-1))
 
 
 def test_seeds_reproduce_draws():
