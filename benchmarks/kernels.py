@@ -31,7 +31,16 @@ HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 
 
 def bench_ms(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+    """Median ms of `fn` captured in a CUDA graph, replayed after an L2 flush each time. do_bench records its start
+    event right after the flush is queued: when fn's own launches (Python, allocations) take the host longer than
+    the flush takes the GPU, the GPU idles inside the timed span. That is the likely reason why 1 x 32k decode
+    measured 0.051 ms in one run and 0.113 ms in another (cuDNN's single launch: 0.051 ms in both). A replay is
+    one launch."""
+    fn()  # compiles, and warms the allocator outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
 
 
 def paged_cache(batch: int, ctx: int, int8: bool, gen: torch.Generator):

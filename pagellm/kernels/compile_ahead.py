@@ -6,8 +6,8 @@ sampler at start-up meet some twenty of them, and on a fresh cache this was most
 Inside `compile_ahead()` a launch of a specialization not yet compiled is only noted, through Triton's
 `jit_cache_hook`: it neither compiles nor runs, so its outputs keep whatever their memory held. On leaving the block
 the noted specializations compile together (`JITFunction.preload` under Triton's `AsyncCompileMode`; the compiler
-releases the GIL in its passes and in ptxas) into each kernel's in-memory cache, their launchers are built the same
-way, and the same launches afterwards run at once. The block must therefore not use a kernel's output where garbage
+releases the GIL for much of its work, ptxas and the host compiler included) into each kernel's in-memory cache,
+their launchers are built the same way, and the same launches afterwards run at once. The block must therefore not use a kernel's output where garbage
 could fault: as an index, a size, or a value read on the host.
 
 The hook is process-wide: while the block runs, other threads' first launches are only noted too.
@@ -22,15 +22,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from triton import knobs
-from triton.runtime._async_compile import AsyncCompileMode
+from triton.runtime._async_compile import AsyncCompileMode, FutureKernel
+from triton.runtime.jit import JitFunctionInfo, JITFunction
 
 
 @contextlib.contextmanager
 def compile_ahead(workers: int | None = None) -> Iterator[None]:
     """Note the block's uncompiled Triton launches instead of running them; compile them in parallel on exit."""
-    pending = {}
+    pending: dict[tuple[int, str], tuple[JITFunction, str]] = {}  # (kernel, key) -> kernel, specialization
 
-    def note(*, key, fn, compile, **_) -> bool:
+    def note(*, key: str, fn: JitFunctionInfo, compile: dict, **_) -> bool:
         pending.setdefault((id(fn.jit_function), key), (fn.jit_function, compile["specialization_data"]))
         return True  # skip this launch's compile and the launch itself
 
@@ -43,7 +44,7 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
         return
     device = torch.cuda.current_device()  # per thread in torch: the workers load the binaries onto this one
 
-    def load(future) -> None:
+    def load(future: FutureKernel) -> None:
         with torch.cuda.device(device):
             future.result()._init_handles()  # what the first launch would do: load the binary, build the launcher
 

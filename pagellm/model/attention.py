@@ -36,7 +36,7 @@ class AttentionMetadata:
 class LayerKVCache:
     key: torch.Tensor  # [num_blocks, block_size, Hkv, D]
     value: torch.Tensor  # same shape; slot-minor in memory when int8
-    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] fp32, INT8 caches only
+    key_scale: torch.Tensor | None = None  # [num_blocks, block_size, Hkv] fp32 (head-major), INT8 caches only
     value_scale: torch.Tensor | None = None
 
 
