@@ -7,8 +7,8 @@ Inside `compile_ahead()` a launch of a specialization not yet compiled is only n
 `jit_cache_hook`: it neither compiles nor runs, so its outputs keep whatever their memory held. On leaving the block
 the noted specializations compile together (`JITFunction.preload` under Triton's `AsyncCompileMode`; the compiler
 releases the GIL for much of its work, ptxas and the host compiler included) into each kernel's in-memory cache,
-their launchers are built the same way, and the same launches afterwards run at once. The block must therefore not use a kernel's output where garbage
-could fault: as an index, a size, or a value read on the host.
+their launchers are built the same way, and the same launches afterwards run at once. The block must therefore
+not use a kernel's output where garbage could fault: as an index, a size, or a value read on the host.
 
 The hook is process-wide: while the block runs, other threads' first launches are only noted too.
 """
