@@ -14,7 +14,7 @@ bundle() {
 }
 case "$1" in
 engine)
-  timeout 200 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/gpu tests/kernels \
+  timeout 300 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/gpu tests/kernels \
     > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc=$?"; tail -3 "$OUT/gpu_tests.log"
   for spec in "Qwen3-0.6B 1 128 0 1" "Qwen3-0.6B 256 600 0.8 0.95" "Llama-3.1-8B 1 128 0 1"; do
     set -- $spec
