@@ -19,7 +19,7 @@ import triton.testing
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from pagellm.kernels.decode_attention import decode_tile, paged_decode_attention, split_size_for  # noqa: E402
+from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
 from pagellm.kernels.kv_write import write_kv  # noqa: E402
 from pagellm.kernels.reference import quantize_int8  # noqa: E402
@@ -68,7 +68,7 @@ def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
     k, v, ks, vs, tables = paged_cache(batch, ctx, int8, gen)
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    split = split_size_for(max(ctx, 8192), batch, decode_tile(int8, batch, BLOCK), int8)
+    split = split_size_for(max(ctx, 8192), batch, int8, BLOCK)
     ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, DIM ** -0.5, ctx, split, ks, vs))
     kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size() + (2 * batch * ctx * KV_HEADS * 4 if int8 else 0)
     row = bandwidth_row(f"decode {'int8' if int8 else 'bf16'}", batch, ctx, ms, kv_bytes, bandwidth)

@@ -59,20 +59,16 @@ def compile_for_sm90(kernel: JITFunction, args: tuple, kwargs: dict) -> triton.c
     return triton.compile(ASTSource(kernel, signature, constants, attrs), target=SM90, options=options)
 
 
-def sass(compiled) -> str:
+def cuobjdump(compiled, flag: str) -> str:
+    """cuobjdump's output for the kernel's cubin (`-sass`: the machine code, `-res-usage`: its resources)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
         cubin.flush()
-        return subprocess.run([CUOBJDUMP, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        return subprocess.run([CUOBJDUMP, flag, cubin.name], capture_output=True, text=True, check=True).stdout
 
 
 def resources(compiled) -> dict[str, int]:
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        out = subprocess.run([CUOBJDUMP, "-res-usage", cubin.name], capture_output=True, text=True,
-                             check=True).stdout
-    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", out).groups()
+    registers, stack = re.search(r"REG:(\d+) STACK:(\d+)", cuobjdump(compiled, "-res-usage")).groups()
     return {"registers": int(registers), "spilled_bytes": int(stack), "shared_bytes": compiled.metadata.shared}
 
 
@@ -102,7 +98,8 @@ def decode_report(batch: int, context: int, int8: bool, block_n: int | None, war
     tables = torch.zeros(batch, context // block, dtype=torch.int32)
     lens = torch.full((batch,), context, dtype=torch.int32)
     tile = block_n or decode_attention.decode_tile(int8, batch, block)
-    split = split or decode_attention.split_size_for(context, batch, tile, int8)
+    # The engine's split, rounded up to a multiple of a tile given here.
+    split = split or -(-decode_attention.split_size_for(context, batch, int8, block) // tile) * tile
     launches = []
 
     def intercept(self, *args, grid, warmup, **kwargs):
@@ -116,7 +113,7 @@ def decode_report(batch: int, context: int, int8: bool, block_n: int | None, war
                                                 num_warps=warps, num_stages=stages)
     partial = launches[0]
     report = resources(partial)
-    mix = main_loop_mix(sass(partial))
+    mix = main_loop_mix(cuobjdump(partial, "-sass"))
     report.update(programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
                   tile=tile, split=split, loop_instructions=sum(mix.values()),
                   warp_instructions_per_token=round(sum(mix.values()) * warps / tile, 1),

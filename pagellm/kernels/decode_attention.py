@@ -38,10 +38,11 @@ def decode_tile(kv_int8: bool, num_seqs: int, block_size: int) -> int:
     return max(BLOCK_N[kv_int8, num_seqs <= SMALL_BATCH], block_size)
 
 
-def split_size_for(max_model_len: int, num_seqs: int, tile: int, kv_int8: bool) -> int:
-    """Tokens per split, a multiple of the tile: at least MIN_SPLIT, and few enough splits that a max-length grid
-    stays small."""
+def split_size_for(max_model_len: int, num_seqs: int, kv_int8: bool, block_size: int) -> int:
+    """Tokens per split, a multiple of the tile (`decode_tile`): at least MIN_SPLIT, and few enough splits that a
+    max-length grid stays small."""
     size = max(MIN_SPLIT[kv_int8, num_seqs <= SMALL_BATCH], -(-max_model_len // MAX_SPLITS))
+    tile = decode_tile(kv_int8, num_seqs, block_size)
     return -(-size // tile) * tile
 
 

@@ -105,7 +105,7 @@ class TritonAttentionBackend:
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        from pagellm.kernels.decode_attention import decode_tile, paged_decode_attention, split_size_for
+        from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
         from pagellm.kernels.kv_write import write_kv
         from pagellm.kernels.prefill_attention import paged_prefill_attention
 
@@ -117,7 +117,7 @@ class TritonAttentionBackend:
             # The grid is sized for max_model_len, as in the captured graphs: sized for this step's longest
             # sequence, its split count (a specialized argument) would recompile the kernels mid-serving.
             kv_int8 = cache.key.dtype == torch.int8
-            split = split_size_for(self.max_model_len, n, decode_tile(kv_int8, n, cache.key.shape[1]), kv_int8)
+            split = split_size_for(self.max_model_len, n, kv_int8, cache.key.shape[1])
             paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n], metadata.seq_lens[:n],
                                    scale, self.max_model_len, split, *scales, out=out[:n])
         if n < metadata.seq_lens.numel():

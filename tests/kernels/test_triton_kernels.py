@@ -10,7 +10,7 @@ import torch
 
 from pagellm.kernels import reference
 from pagellm.kernels.activation import silu_and_mul
-from pagellm.kernels.decode_attention import decode_tile, paged_decode_attention, split_size_for
+from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
 from pagellm.kernels.gemv import gemv
 from pagellm.kernels.kv_write import write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
@@ -68,7 +68,7 @@ def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
                                     value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
                                     1, max(seq_lens), *scales)
     for num_seqs in (len(seq_lens), 64):  # the small-batch split size (finer) and the large-batch one
-        split = split_size_for(2048, num_seqs, decode_tile(kv_int8, num_seqs, block_size), kv_int8)
+        split = split_size_for(2048, num_seqs, kv_int8, block_size)
         out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, max(seq_lens), split,
                                      *scales)
         assert rel_err(out, ref) < TOL[dtype]
@@ -93,7 +93,7 @@ def test_decode_attention_block_sizes(kv_int8, block_size):
     ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
                                     value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, 0.125, 1,
                                     max(seq_lens), *scales)
-    split = split_size_for(512, len(seq_lens), decode_tile(kv_int8, len(seq_lens), block_size), kv_int8)
+    split = split_size_for(512, len(seq_lens), kv_int8, block_size)
     out = paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, max(seq_lens), split, *scales)
     assert rel_err(out, ref) < TOL[torch.float16]
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
