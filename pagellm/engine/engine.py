@@ -53,7 +53,7 @@ class Engine:
         self.runner = ModelRunner(self.model_config, config, self.model_dir, max_model_len)
         self.startup_seconds["load_model"] = time.perf_counter() - start
         start = time.perf_counter()
-        self.runner.compile_kernels()
+        self.runner.compile_kernels()  # started before the weights loaded: this is what their loading did not hide
         self.startup_seconds["compile_kernels"] = time.perf_counter() - start
         start = time.perf_counter()
         num_blocks = self.runner.determine_num_blocks(max_model_len)

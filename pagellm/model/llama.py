@@ -6,7 +6,8 @@ returns hidden states; `compute_logits` turns the rows that need them into logit
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -76,6 +77,17 @@ class LlamaForCausalLM(nn.Module):
             hidden, residual = layer(positions, hidden, residual, cache, metadata)
         hidden, _ = self.norm(hidden, residual)
         return hidden
+
+    @contextlib.contextmanager
+    def first_layer_only(self) -> Iterator[None]:
+        """The forward cut to its first decoder layer, for passes that only need each kernel launched once: every
+        layer launches the same kernels on tensors of the same shapes."""
+        layers = self.layers
+        self.layers = layers[:1]
+        try:
+            yield
+        finally:
+            self.layers = layers
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampling kernel reads them as they are (an fp32 copy of 256 rows of a

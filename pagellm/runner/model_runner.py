@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,9 @@ from pagellm.runner.sampler import (
 )
 from pagellm.runner.transfers import to_device_async
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagellm.kernels.compile_ahead import Compilation  # imports Triton, which the CPU path does without
 
 
 # Sampling's [rows, vocab] temporaries (scaled logits, logprobs) count toward the memory peak.
@@ -74,11 +78,12 @@ class ModelRunner:
         self._gpu_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         with _default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(model_config)(model_config, self.backend, max_positions)
+        self.model.eval()
+        self.sampler = Sampler(engine_config.seed, self.device)
+        self._compilation = self._start_compiling()
         load_weights(self.model, model_dir, engine_config.load_format, engine_config.seed, engine_config.quiet)
         if can_pack_for_cpu(self.device, self.dtype):
             self.model.pack_for_cpu()
-        self.model.eval()
-        self.sampler = Sampler(engine_config.seed, self.device)
         self.kv_caches: list[LayerKVCache] = []
         self.num_blocks = 0
         self.graphs: DecodeGraphs | None = None
@@ -114,13 +119,14 @@ class ModelRunner:
                              "raise it, or lower max_num_batched_tokens")
         return budget
 
-    def compile_kernels(self) -> None:
-        """On CUDA, every Triton kernel that serving launches, compiled now rather than mid-serving, and all at once
-        (see `compile_ahead`): those of the longest and of short prefill chunks, of one-row steps (the GEMV), of
-        sampling (no logprobs: they would index with samples never computed), and of pure-decode steps: of every
-        CUDA-graph batch size, or in eager mode of one batch per size class of the decode kernels."""
+    def _start_compiling(self) -> Compilation | None:
+        """On CUDA, start compiling every Triton kernel that serving launches, so that none compiles mid-serving,
+        all at once, and while the weights load (see `compile_ahead`): those of the longest and of short prefill
+        chunks, of one-row steps (the GEMV), of sampling (no logprobs: they would index with samples never
+        computed), and of pure-decode steps: of every CUDA-graph batch size, or in eager mode of one batch per size
+        class of the decode kernels. The passes run the first decoder layer only, on weights not loaded yet."""
         if self.device.type != "cuda":
-            return
+            return None
         from pagellm.kernels.compile_ahead import compile_ahead
         from pagellm.kernels.decode_attention import SMALL_BATCH
         from pagellm.runner.cuda_graphs import capture_sizes
@@ -130,11 +136,18 @@ class ModelRunner:
             decode_batches = sorted({1, min(cfg.max_num_seqs, SMALL_BATCH + 1)})
         else:
             decode_batches = capture_sizes(cfg.max_num_seqs)
-        with compile_ahead():
-            for num_tokens in (min(cfg.token_budget, self.max_model_len), 16, 1):
-                self._profile_run(num_tokens, COMPILE_SAMPLING)
+        longest = min(cfg.token_budget, self.max_model_len)
+        with compile_ahead() as compilation, self.model.first_layer_only():
+            for num_tokens in (longest, 16, 1):  # the sampling kernels do not vary with the row count
+                self._profile_run(num_tokens, COMPILE_SAMPLING if num_tokens == longest else ())
             for num_seqs in decode_batches:
                 self._decode_run(num_seqs)
+        return compilation
+
+    def compile_kernels(self) -> None:
+        """Wait until the kernels that construction started compiling are ready to launch."""
+        if self._compilation is not None:
+            self._compilation.wait()
 
     @torch.inference_mode()
     def _decode_run(self, num_seqs: int) -> None:
