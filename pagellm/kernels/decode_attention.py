@@ -9,8 +9,9 @@ The split size depends on the engine's max_model_len and on whether the batch is
 SMALL_BATCH sequences, a CUDA-graph size, so a padded graph and an eager step of the same batch agree): few
 sequences leave most of the GPU idle unless each context is cut finer. Outputs are therefore invariant to what
 else is batched within each of the two classes, and with the grid sized for max_model_len a captured CUDA graph
-stays valid. INT8 K/V are converted to fp16 tile by tile (exact) and dequantized by folding the per-token scales
-into the scores (K) and the probabilities (V); see `paged_kv`.
+stays valid. INT8 K/V are dequantized by folding the per-token scales into the scores (K) and the probabilities
+(V); values are converted to fp16 tile by tile (exact), while q @ k^T runs on int8 tensor cores with the query
+split into two int8 halves, about fp16's precision (fp32 queries keep fp32 products); see `paged_kv`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import (accumulate, asm_conversions, kv_strides, load_kv_tile, query_operand,
-                                      tile_scores)
+from pagellm.kernels.paged_kv import (accumulate, asm_conversions, int8_tile_scores, kv_strides, load_kv_tile,
+                                      query_operand, split_query_int8, tile_scores)
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 # Context tokens per tile, by (K/V are int8, the batch is small).
@@ -30,6 +31,9 @@ BLOCK_N = {(False, False): 32, (False, True): 64, (True, False): 128, (True, Tru
 # (16 x 16k on the H200: 186 us at 512, 168 us at 2048, 166 us at 4096; bf16 265 us at 512, 259 us at 2048).
 MIN_SPLIT = {(False, False): 512, (False, True): 64, (True, False): 4096, (True, True): 64}
 SMALL_BATCH = 8
+# Registers per thread for the int8 q @ k^T loop: uncapped it takes 164, three programs per SM; capped, four and
+# no spills (16 x 16k on the H200: 164 us against 202 us).
+INT8_DOT_REGISTERS = 128
 MAX_SPLITS = 64
 
 
@@ -55,7 +59,8 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
                            sm_scale, split_size,
                            GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
                            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           KV_INT8: tl.constexpr, IEEE: tl.constexpr, ASM_CVT: tl.constexpr):
+                           KV_INT8: tl.constexpr, IEEE: tl.constexpr, ASM_CVT: tl.constexpr,
+                           INT8_DOT: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -72,7 +77,9 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
     d_mask = d < HEAD_DIM
     q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=g_mask[:, None] & d_mask[None, :], other=0.0)
-    q = query_operand(q, sm_scale, KV_INT8)
+    if INT8_DOT:
+        q_hi, q_lo, q_scale = split_query_int8(q, sm_scale)
+    q = query_operand(q, sm_scale, KV_INT8)  # with INT8_DOT only its dtype is used: the one values convert to
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -81,8 +88,12 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
         k, v, k_scale, v_scale = load_kv_tile(
             k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, end, d,
             d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT)
-        s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
+            stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT,
+            CONVERT_K=not INT8_DOT)
+        if INT8_DOT:
+            s = int8_tile_scores(q_hi, q_lo, q_scale, k, k_scale)
+        else:
+            s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
         s = tl.where((n0 + tl.arange(0, BLOCK_N) < end)[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp(m_i - m_new)
@@ -133,6 +144,8 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q) if out is None else out
     kv_int8 = key_cache.dtype == torch.int8
+    ieee = q.dtype == torch.float32
+    int8_dot = kv_int8 and not ieee and head_dim <= 256  # fp32 queries keep exact products (tests)
     scales = (key_scale, value_scale) if kv_int8 else (key_cache, value_cache)
     block_d = triton.next_power_of_2(head_dim)
     block_size = key_cache.shape[1]
@@ -144,8 +157,9 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
         q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), scale,
         split_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32,
-        ASM_CVT=asm_conversions(q), num_warps=num_warps, num_stages=num_stages)
+        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_INT8=kv_int8, IEEE=ieee,
+        ASM_CVT=asm_conversions(q), INT8_DOT=int8_dot, num_warps=num_warps, num_stages=num_stages,
+        maxnreg=INT8_DOT_REGISTERS if int8_dot else None)
     _decode_merge_kernel[(batch, num_heads)](
         part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), split_size,

@@ -2,7 +2,8 @@
 of K and V through the block table, the tile's scores, and folding the tile into the running output.
 
 INT8 caches run their products in fp16, which holds every int8 value exactly; the query is scaled by the softmax
-scale before its cast, so its range is the scores' range. Keys are read row by row (head_dim contiguous: the
+scale before its cast, so its range is the scores' range. Decode instead runs q @ k^T on int8 tensor cores over the
+keys as stored, the query split into two int8 halves (`split_query_int8`). Keys are read row by row (head_dim contiguous: the
 q @ k^T operand). Values have their own strides: an INT8 value cache is stored slot-minor (see
 `model.attention.allocate_kv_caches`) and read as whole cache blocks, which makes a tile contiguous along
 tokens, the p @ v operand's inner dimension, so that it reaches the tensor cores with wide loads instead of byte by
@@ -70,14 +71,37 @@ def query_operand(q, sm_scale, KV_INT8: tl.constexpr):
 
 
 @triton.jit
+def split_query_int8(q, sm_scale):
+    """The query times the softmax scale as two int8 operands and a per-row scale, q ~ (hi * 256 + lo) * scale: 16-bit
+    fixed point per row, so that q @ k^T runs on int8 tensor cores over the int8 keys as stored, with no conversion
+    of K (a third of the INT8 decode loop's instructions), at about fp16's precision."""
+    q = q.to(tl.float32) * sm_scale
+    amax = tl.max(tl.abs(q), axis=1)
+    scale = tl.where(amax > 0, amax / 127.0, 1.0)
+    q = q / scale[:, None]
+    hi = tl.floor(q + 0.5)
+    lo = tl.minimum(tl.floor((q - hi) * 256.0 + 0.5), 127.0)
+    return hi.to(tl.int8), lo.to(tl.int8), scale / 256.0
+
+
+@triton.jit
+def int8_tile_scores(q_hi, q_lo, q_scale, k, k_scale):
+    """Scaled q @ k^T [rows, BLOCK_N] in fp32 from `split_query_int8` and int8 keys, both scales folded in. Exact
+    in int32 up to head_dim 256: |hi * 256 + lo| <= 32640, times 127 per key entry."""
+    s = (tl.dot(q_hi, tl.trans(k), out_dtype=tl.int32) * 256
+         + tl.dot(q_lo, tl.trans(k), out_dtype=tl.int32))
+    return s.to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
+
+
+@triton.jit
 def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, end, d,
                  d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
                  stride_sb, stride_ss, stride_sh, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 KV_INT8: tl.constexpr, ASM_CVT: tl.constexpr):
+                 KV_INT8: tl.constexpr, ASM_CVT: tl.constexpr, CONVERT_K: tl.constexpr = True):
     """K and V [BLOCK_N, BLOCK_D] of context tokens n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_SIZE) of one
     sequence and KV head, and their per-token scales (ones for unquantized caches). INT8 K/V are converted exactly
-    to `dtype`; their scales are left to the caller to fold into the scores and probabilities. Tokens at or past
-    `end` load as zeros."""
+    to `dtype` (INT8 keys stay int8 without CONVERT_K); their scales are left to the caller to fold into the scores
+    and probabilities. Tokens at or past `end` load as zeros."""
     offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = offs < end
     block = tl.load(block_tables_ptr + seq * stride_bt + offs // BLOCK_SIZE, mask=n_mask, other=0)
@@ -104,7 +128,8 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table
         scale_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
         k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)
         v_scale = tl.load(v_scale_ptr + scale_off, mask=n_mask, other=0.0)
-        k = from_int8(k, dtype, ASM_CVT)
+        if CONVERT_K:
+            k = from_int8(k, dtype, ASM_CVT)
         v = from_int8(v, dtype, ASM_CVT)
     else:
         k_scale = tl.full(offs.shape, 1.0, tl.float32)
