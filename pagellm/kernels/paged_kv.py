@@ -3,11 +3,11 @@ of K and V through the block table, the tile's scores, and folding the tile into
 
 INT8 caches run their products in fp16, which holds every int8 value exactly; the query is scaled by the softmax
 scale before its cast, so its range is the scores' range. Decode instead runs q @ k^T on int8 tensor cores over the
-keys as stored, the query split into two int8 halves (`split_query_int8`). Keys are read row by row (head_dim contiguous: the
-q @ k^T operand). Values have their own strides: an INT8 value cache is stored slot-minor (see
-`model.attention.allocate_kv_caches`) and read as whole cache blocks, which makes a tile contiguous along
-tokens, the p @ v operand's inner dimension, so that it reaches the tensor cores with wide loads instead of byte by
-byte (1.4x faster at 16 x 16k on the H200)."""
+keys as stored, the query split into two int8 halves (`split_query_int8`). Keys are read row by row (head_dim
+contiguous: the q @ k^T operand). Values have their own strides: an INT8 value cache is stored slot-minor (see
+`model.attention.allocate_kv_caches`) and read as whole cache blocks, which makes a tile contiguous along tokens,
+the p @ v operand's inner dimension, so that it reaches the tensor cores with wide loads instead of byte by byte
+(1.4x faster at 16 x 16k on the H200)."""
 
 from __future__ import annotations
 
@@ -74,7 +74,7 @@ def query_operand(q, sm_scale, KV_INT8: tl.constexpr):
 def split_query_int8(q, sm_scale):
     """The query times the softmax scale as two int8 operands and a per-row scale, q ~ (hi * 256 + lo) * scale: 16-bit
     fixed point per row, so that q @ k^T runs on int8 tensor cores over the int8 keys as stored, with no conversion
-    of K (a third of the INT8 decode loop's instructions), at about fp16's precision."""
+    of K (a sixth of the INT8 decode loop's instructions), at about fp16's precision."""
     q = q.to(tl.float32) * sm_scale
     amax = tl.max(tl.abs(q), axis=1)
     scale = tl.where(amax > 0, amax / 127.0, 1.0)
