@@ -32,7 +32,7 @@ BLOCK_N = {(False, False): 32, (False, True): 64, (True, False): 128, (True, Tru
 MIN_SPLIT = {(False, False): 512, (False, True): 64, (True, False): 4096, (True, True): 64}
 SMALL_BATCH = 8
 # Registers per thread for the int8 q @ k^T loop: uncapped it takes 164, three programs per SM; capped, four and
-# no spills (16 x 16k on the H200: 164 us against 202 us).
+# no spills (16 x 16k on the H200: 164 us against 209 us).
 INT8_DOT_REGISTERS = 128
 MAX_SPLITS = 64
 
