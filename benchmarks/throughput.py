@@ -43,7 +43,7 @@ def run_pagellm(path: str, prompts: list[list[int]], out_lens: list[int], **kwar
     stats = llm.engine.stats()
     result = {"elapsed_s": elapsed, "output_tok_s": generated / elapsed,
               "total_tok_s": (generated + sum(map(len, prompts))) / elapsed,
-              "kv_blocks": llm.engine.kv_cache.num_blocks, "preemptions": stats.num_preemptions}
+              "kv_blocks": stats.num_blocks, "preemptions": stats.num_preemptions}
     del llm
     gc.collect()
     torch.cuda.empty_cache()

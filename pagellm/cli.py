@@ -1,33 +1,30 @@
-"""The `pagellm` command: generate | chat | serve | bench | train | convert."""
+"""The `pagellm` command: generate | chat | serve | train | convert."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+from pagellm.config import EngineConfig
 from pagellm.sampling_params import SamplingParams
+
+# Python types of EngineConfig's annotations (strings under `from __future__ import annotations`).
+_ARG_TYPES = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float}
 
 
 def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        choices=["auto", "float32", "float16", "bfloat16", "int8"])
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="wait for each step's tokens before launching the next")
-    parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quiet", action="store_true", help="hide progress bars")
+    """One flag per EngineConfig field (`--max-num-seqs` for max_num_seqs), with its default and help; booleans
+    get a `--no-` form too."""
+    group = parser.add_argument_group("engine options")
+    for f in dataclasses.fields(EngineConfig):
+        flags = [f"--{f.name.replace('_', '-')}", *f.metadata["aliases"]]
+        if f.type == "bool":
+            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=f.metadata["help"])
+        else:
+            group.add_argument(*flags, dest=f.name, type=_ARG_TYPES[f.type], default=f.default,
+                               choices=f.metadata["choices"], help=f.metadata["help"])
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -39,13 +36,7 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
-    return dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
-                gpu_memory_utilization=args.gpu_memory_utilization,
-                enable_prefix_caching=not args.no_prefix_caching, enforce_eager=args.enforce_eager,
-                async_scheduling=not args.no_async_scheduling, load_format=args.load_format, seed=args.seed,
-                quiet=args.quiet)
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:

@@ -6,7 +6,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 8192  # tokens per step when max_num_batched_tokens is not given
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
 @dataclass(frozen=True)
@@ -119,27 +120,39 @@ def _rope_config(cfg: dict[str, Any]) -> RopeConfig:
     )
 
 
+def _option(default: Any, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()) -> Any:
+    """An EngineConfig field with what the CLI needs to offer it: help text, allowed values, extra flag names."""
+    return field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
+
+
 @dataclass
 class EngineConfig:
-    """What the user picked for the engine; `LLM(...)` keyword arguments map onto these fields."""
+    """What the user picked for the engine: the one list of engine options. `LLM(...)` keyword arguments and the
+    CLI's flags (`--max-num-seqs` for max_num_seqs) are these fields, with these defaults and help texts."""
 
-    model: str | None = None
-    device: str | None = None
-    dtype: str = "auto"
-    kv_cache_dtype: str = "auto"
-    block_size: int = 16
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    cpu_kv_cache_gib: float = 2.0
-    enable_prefix_caching: bool = True
-    enforce_eager: bool = False
-    async_scheduling: bool = True  # launch a decode step before the previous one's tokens are back
-    seed: int = 0
-    load_format: str = "auto"
-    quiet: bool = False
+    model: str | None = _option(None, "HF directory, .gguf file or hub id (default: the embedded "
+                                      "SmolLM2-135M-Instruct)")
+    device: str | None = _option(None, "cpu or cuda (default: cuda when available)")
+    dtype: str = _option("auto", "weights and activations ('auto': the checkpoint's on GPU, float32 on CPU)",
+                         DTYPES)
+    kv_cache_dtype: str = _option("auto", "KV cache storage ('auto': the model's dtype; int8: per-token scales)",
+                                  KV_CACHE_DTYPES)
+    block_size: int = _option(16, "tokens per KV cache block")
+    max_num_seqs: int = _option(256, "sequences per step at most")
+    max_num_batched_tokens: int | None = _option(
+        None, f"tokens per step, prefill chunks and decodes together (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
+    max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's limit, "
+                                              "cut to what the KV cache holds when that is known up front)")
+    num_kv_blocks: int | None = _option(None, "KV cache blocks (default: sized from the memory left)")
+    gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory this engine may use")
+    cpu_kv_cache_gib: float = _option(2.0, "KV cache size on the CPU, in GiB")
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes",
+                                          aliases=("--prefix-caching",))
+    enforce_eager: bool = _option(False, "no CUDA graphs")
+    async_scheduling: bool = _option(True, "launch a decode step before the previous one's tokens are back")
+    seed: int = _option(0, "seed of unseeded requests' sampling (and of dummy weights)")
+    load_format: str = _option("auto", "how to read the weights", LOAD_FORMATS)
+    quiet: bool = _option(False, "hide progress bars")
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
@@ -154,8 +167,7 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, ">= 1")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
                "in (0, 1]")
-        _check(self.load_format in ("auto", "dummy", "safetensors", "gguf"), "load_format", self.load_format,
-               "'auto', 'safetensors', 'gguf' or 'dummy'")
+        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
 
     @property
     def token_budget(self) -> int:
@@ -178,6 +190,39 @@ class EngineConfig:
 
     def resolve_kv_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
         return model_dtype if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
+
+    def budgeted_kv_blocks(self, model: ModelConfig) -> int | None:
+        """KV cache blocks when they are known before the model is built (num_kv_blocks, or on the CPU what
+        cpu_kv_cache_gib holds); None where a GPU memory profile decides."""
+        if self.num_kv_blocks is not None:
+            return self.num_kv_blocks
+        device = self.resolve_device()
+        if device.type != "cpu":
+            return None
+        kv_dtype = self.resolve_kv_dtype(self.resolve_dtype(model, device))
+        return max(1, int(self.cpu_kv_cache_gib * 2**30 // (model.kv_bytes_per_token(kv_dtype) * self.block_size)))
+
+
+def engine_option_names() -> list[str]:
+    return [f.name for f in fields(EngineConfig)]
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    """The longest sequence the engine serves, decided once, before the model is built: max_model_len, else the
+    model's limit, cut to the KV cache where its size is known up front (`budgeted_kv_blocks`)."""
+    limit = model.max_position_embeddings
+    if model.sliding_window:  # full attention equals windowed attention up to the window
+        limit = min(limit, model.sliding_window)
+    wanted = config.max_model_len or limit
+    if wanted > limit:
+        raise ValueError(f"max_model_len={wanted} is invalid: the model supports at most {limit} tokens")
+    blocks = config.budgeted_kv_blocks(model)
+    if blocks is not None and wanted > blocks * config.block_size:
+        if config.max_model_len is not None:
+            raise ValueError(f"max_model_len={config.max_model_len} is invalid: the KV cache holds only "
+                             f"{blocks * config.block_size} tokens ({blocks} blocks of {config.block_size})")
+        wanted = blocks * config.block_size
+    return wanted
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

@@ -16,13 +16,19 @@ from pagellm.model.loader import default_model
 torch.set_num_threads(2)
 
 
+# The slow tier (`make test-fast` leaves it out): the real model and its HF oracle, a live server and browser,
+# training, and kernels run by the Triton interpreter.
+SLOW_FIXTURES = {"smollm2_gguf", "smollm2_llm", "hf_smollm2", "async_llm", "server", "secured_server"}
+SLOW_DIRS = ("kernels", "server", "training")
+
+
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "gpu" in item.keywords:
+        if skip is not None and "gpu" in item.keywords:
             item.add_marker(skip)
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())) or item.path.parent.name in SLOW_DIRS:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")

@@ -26,9 +26,9 @@ def test_stress_matches_hf(smollm2_gguf, hf_smollm2):
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
 
-    assert engine.scheduler.stats.num_preemptions > 0
-    assert engine.kv_cache.stats.hits > 0
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.stats().num_preemptions > 0
+    assert engine.stats().prefix_cache_hits > 0
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
     assert not engine.has_unfinished()
     for out, m in zip(outputs, max_tokens):
         assert out.outputs[0].token_ids == hf_greedy(hf_smollm2, out.prompt_token_ids, m), out.prompt
@@ -43,7 +43,7 @@ def test_prefix_hit_reported_and_identical(smollm2_llm):
     n_prompt = len(first.prompt_token_ids)
     assert second.num_cached_tokens == (n_prompt - 1) // 16 * 16 > 0  # full blocks only, never the last token
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 def test_async_scheduling_changes_nothing_but_timing(tiny_llama_dir, monkeypatch):
@@ -63,14 +63,14 @@ def test_async_scheduling_changes_nothing_but_timing(tiny_llama_dir, monkeypatch
         launched_early = 0
         launch = llm.engine.runner.launch
 
-        def counting_launch(sched, previous=None):
+        def counting_launch(step):
             nonlocal launched_early
-            launched_early += previous is not None
-            return launch(sched, previous)
+            launched_early += any(row.input_pending for row in step.rows)
+            return launch(step)
 
         monkeypatch.setattr(llm.engine.runner, "launch", counting_launch)
         outs = llm.generate([p for p, _ in work], [sp for _, sp in work], use_tqdm=False)
-        assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+        assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
         return [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs], launched_early
 
     sync_outputs, early = run(False)

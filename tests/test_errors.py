@@ -45,7 +45,7 @@ def test_bad_prompts_rejected_engine_keeps_serving(tiny_llama_dir):
     assert not engine.has_unfinished()
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 def test_output_stops_at_max_model_len(tiny_llama_dir):
@@ -60,14 +60,14 @@ def test_abort_frees_blocks(tiny_llama_dir):
     rid = engine.add_request(list(range(1, 40)), SamplingParams(max_tokens=50, ignore_eos=True))
     keep = engine.add_request([1, 2], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.step()
-    assert engine.kv_cache.num_free_blocks < engine.kv_cache.num_blocks
+    assert engine.stats().num_free_blocks < engine.stats().num_blocks
     aborted = engine.abort(rid)
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     finals = []
     while engine.has_unfinished():
         finals += [o for o in engine.step() if o.finished]
     assert [o.request_id for o in finals] == [keep]
-    assert engine.kv_cache.num_free_blocks == engine.kv_cache.num_blocks
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 @pytest.mark.parametrize("model", ["/no/such/dir", "no-such-model.gguf", "not a hub id"])

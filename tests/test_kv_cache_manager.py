@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from pagellm.core.request import Request
 from pagellm.engine.kv_cache_manager import KVCacheManager
-from pagellm.engine.request import Request
 from pagellm.sampling_params import SamplingParams
 
 

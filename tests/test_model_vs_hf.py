@@ -26,7 +26,7 @@ def test_smollm2_greedy_matches_hf(smollm2_llm, hf_smollm2):
     for prompt, out in zip(PROMPTS, outputs):
         expected = hf_greedy(hf_smollm2, out.prompt_token_ids, 48)
         assert out.outputs[0].token_ids == expected, prompt
-    assert smollm2_llm.engine.kv_cache.num_free_blocks == smollm2_llm.engine.kv_cache.num_blocks
+    assert smollm2_llm.engine.stats().num_free_blocks == smollm2_llm.engine.stats().num_blocks
 
 
 def test_smollm2_chat_template_and_answer(smollm2_llm):

@@ -6,17 +6,18 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.runner import sampler as sampler_module
-from pagellm.runner.sampler import Sampler, SamplingBatch, apply_penalties
+from pagellm.core.step import SamplingRow
+from pagellm.kernels.ops import TorchOps
+from pagellm.runner.sampler import Sampler, apply_penalties
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
 
 
 def sample_counts(params: SamplingParams, seed: int = 0) -> torch.Tensor:
-    sampler = Sampler(seed, torch.device("cpu"))
-    batch = SamplingBatch([params] * N, [[] for _ in range(N)], [[0] for _ in range(N)], [0] * N)
-    tokens = torch.tensor(sampler(LOGITS.expand(N, -1).clone(), batch).token_ids)
+    sampler = Sampler(seed, torch.device("cpu"), TorchOps())
+    rows = [SamplingRow(params, 0, [0], []) for _ in range(N)]
+    tokens = sampler.sample(LOGITS.expand(N, -1).clone(), sampler.prepare(rows)).token_ids
     return torch.bincount(tokens, minlength=len(LOGITS)).float() / N
 
 
@@ -38,10 +39,8 @@ def test_top_k():
     assert_close_to(sample_counts(SamplingParams(top_k=3)), expected / expected.sum())
 
 
-@pytest.mark.parametrize("rounds", [0, 1, 3], ids=["sorting-only", "one-rejection-round", "default-rounds"])
-def test_top_p_keeps_the_smallest_nucleus(rounds, monkeypatch):
-    # Rounds of rejection sampling, then the sorting path for rows still rejected: every mix gives the same law.
-    monkeypatch.setattr(sampler_module, "NUCLEUS_ROUNDS", rounds)
+def test_top_p_keeps_the_smallest_nucleus():
+    # The kernel's algorithm (rejection rounds, each drawing among the tokens more likely than the last rejected).
     probs = torch.softmax(LOGITS, 0)
     # top_p = 0.7: tokens are kept while the mass before them is < 0.7.
     keep = (probs.cumsum(0) - probs) < 0.7
@@ -73,8 +72,8 @@ def test_greedy_is_argmax():
 def test_penalties_follow_their_formulas():
     logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
     params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
-    batch = SamplingBatch([params], output_token_ids=[[0, 0, 1]], prompt_token_ids=[[2]], draw_indices=[0])
-    out = apply_penalties(logits, batch)[0]
+    rows = [SamplingRow(params, draw_index=0, prompt_token_ids=[2], output_token_ids=[0, 0, 1])]
+    out = apply_penalties(logits, rows)[0]
     # token 0: seen twice -> 2/2 - 0.25*2 - 0.5; token 1: once, negative -> -1*2 - 0.25 - 0.5;
     # token 2: prompt only -> 0.5/2 (no presence/frequency: those count generated tokens); token 3 untouched.
     assert torch.allclose(out, torch.tensor([2 / 2 - 0.5 - 0.5, -2.0 - 0.25 - 0.5, 0.25, 1.0]))
@@ -99,7 +98,7 @@ def test_n_gives_n_distinct_samples(tiny_llama_dir):
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 12 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
-    assert llm.engine.kv_cache.num_free_blocks == llm.engine.kv_cache.num_blocks
+    assert llm.engine.stats().num_free_blocks == llm.engine.stats().num_blocks
 
 
 def test_stop_string_and_stop_token(smollm2_llm):

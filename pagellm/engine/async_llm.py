@@ -1,9 +1,9 @@
 """AsyncLLM: the engine loop on a background thread, streaming outputs to asyncio consumers.
 
-Only the engine thread touches the Engine. Callers validate and build requests on their own thread (that reads
-only immutable engine state), then hand them over through a command queue; outputs come back through each
-request's asyncio queue. A stream whose consumer goes away (client hang-up, cancellation) aborts its request,
-which frees its KV blocks on the engine thread's next turn.
+Only the engine thread touches the Engine. Callers validate requests on their own thread (the input processor
+reads only state fixed at start-up), then hand the validated, plain request over through a command queue; outputs
+come back through each request's asyncio queue. A stream whose consumer goes away (client hang-up, cancellation)
+aborts its request, which frees its KV blocks on the engine thread's next turn.
 
 Why a thread and not a process: torch releases the GIL inside its kernels, so on the GPU the Python work of
 the HTTP side overlaps the engine step, and a thread shares the tokenizer and needs no serialization of outputs.
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
 from pagellm.engine.engine import Engine, EngineStats
-from pagellm.engine.request import Request
+from pagellm.engine.input_processor import InputProcessor
+from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
 
@@ -65,6 +66,11 @@ class AsyncLLM:
         return self.engine.tokenizer
 
     @property
+    def input_processor(self) -> InputProcessor:
+        """Validation and tokenization, safe on any thread."""
+        return self.engine.input_processor
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
@@ -75,20 +81,20 @@ class AsyncLLM:
 
     # ---- caller side ----------------------------------------------------------------------------------------
 
-    def make_requests(self, prompt: str | list[int], params: SamplingParams) -> list[Request]:
-        """Validate now, on the caller's thread: bad input raises InvalidParameter before anything is queued."""
-        return self.engine.make_requests(prompt, params, request_id=uuid.uuid4().hex)
-
-    async def generate(self, requests: list[Request]) -> AsyncIterator[RequestOutput]:
-        """Stream RequestOutputs of one request (its n samples, from `make_requests`) until it finishes; leaving
-        early aborts it."""
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Stream the RequestOutputs of one request (all its n samples) until it finishes; leaving early aborts
+        it. Bad input raises InvalidParameter at the first iteration, before anything is queued."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
-        request_id = requests[0].parent_id
+        request_id = request_id or uuid.uuid4().hex
+        processed = self.input_processor.process(prompt, params, request_id)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
+            if request_id in self._streams:
+                raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", requests))
+        self._commands.put(("add", processed))
         finished = False
         try:
             while not finished:

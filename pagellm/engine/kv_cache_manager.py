@@ -11,7 +11,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from pagellm.config import cdiv
-from pagellm.engine.request import Request
+from pagellm.core.request import Request
 
 
 @dataclass
@@ -24,7 +24,7 @@ class _Block:
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
+    queries: int = 0  # prompt tokens looked up, once per request
     hits: int = 0  # of which served from cache
 
 
@@ -47,10 +47,14 @@ class KVCacheManager:
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
 
+    def _can_hit(self, request: Request) -> bool:
+        # Prompt logprobs need every prompt position's logits, so such a request computes its whole prompt.
+        return self.enable_prefix_caching and not request.wants_prompt_logprobs
+
     def get_computed_blocks(self, request: Request) -> list[int]:
         """Blocks holding a cached prefix of this request's tokens; never the whole prompt (its last token
-        must be computed for the first output token's logits)."""
-        if not self.enable_prefix_caching or request.wants_prompt_logprobs:
+        must be computed for the first output token's logits). Counts nothing: see `record_prefix_query`."""
+        if not self._can_hit(request):
             return []
         tokens = request.all_token_ids
         max_blocks = (len(tokens) - 1) // self.block_size
@@ -62,9 +66,14 @@ class KVCacheManager:
             if block_id is None or self._blocks[block_id].token_ids != chunk:
                 break
             hits.append(block_id)
-        self.stats.queries += request.num_prompt_tokens
-        self.stats.hits += len(hits) * self.block_size
         return hits
+
+    def record_prefix_query(self, request: Request, num_hit_tokens: int) -> None:
+        """Count a request's prompt lookup in the hit rate: once, when it is admitted (the scheduler retries
+        lookups after a failed allocation, and recomputes after a preemption)."""
+        if self._can_hit(request):
+            self.stats.queries += request.num_prompt_tokens
+            self.stats.hits += num_hit_tokens
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
         """Give the request blocks for `num_new_tokens` more tokens (after taking `computed_blocks`).

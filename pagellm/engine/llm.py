@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagellm.config import EngineConfig
+from pagellm.config import EngineConfig, engine_option_names
 from pagellm.engine.engine import Engine
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
@@ -19,19 +19,15 @@ Messages = list[dict[str, Any]]
 
 
 class LLM:
-    def __init__(self, model: str | None = None, *, device: str | None = None, dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", block_size: int = 16, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
-                 num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 enable_prefix_caching: bool = True, enforce_eager: bool = False, seed: int = 0,
-                 load_format: str = "auto", **kwargs: Any) -> None:
-        config = EngineConfig(model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
-                              block_size=block_size, max_num_seqs=max_num_seqs,
-                              max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-                              num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-                              enable_prefix_caching=enable_prefix_caching, enforce_eager=enforce_eager, seed=seed,
-                              load_format=load_format, **kwargs)
-        self.engine = Engine(config)
+    """`LLM(model, **options)`: the options are EngineConfig's fields (vLLM's names and defaults), e.g.
+    `LLM("Qwen/Qwen3-0.6B", max_model_len=4096, kv_cache_dtype="int8", async_scheduling=False)`."""
+
+    def __init__(self, model: str | None = None, **options: Any) -> None:
+        unknown = sorted(set(options) - set(engine_option_names()))
+        if unknown:
+            raise InvalidParameter(unknown[0], f"{unknown[0]}: not an engine option; the options are "
+                                               f"{', '.join(engine_option_names())}")
+        self.engine = Engine(EngineConfig(model=model, **options))
 
     @property
     def tokenizer(self):
@@ -44,7 +40,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
         for prompt in prompt_list:  # fail before anything is queued
-            self.engine.tokenize(prompt)
+            self.engine.input_processor.tokenize(prompt)
         return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
 
     def chat(self, messages: Messages | Sequence[Messages],

@@ -24,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from triton import knobs
 from triton.runtime._async_compile import AsyncCompileMode, FutureKernel
-from triton.runtime.jit import JitFunctionInfo, JITFunction
+from triton.runtime.jit import JITFunction, JitFunctionInfo
 
 
 class Compilation:

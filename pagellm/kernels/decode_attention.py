@@ -20,19 +20,27 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import (accumulate, asm_conversions, int8_tile_scores, kv_strides, load_kv_tile,
-                                      query_operand, split_query_int8, tile_scores)
+from pagellm.kernels.paged_kv import (
+    accumulate,
+    asm_conversions,
+    int8_tile_scores,
+    kv_strides,
+    load_kv_tile,
+    query_operand,
+    split_query_int8,
+    tile_scores,
+)
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 # Context tokens per tile, by (K/V are int8, the batch is small).
 BLOCK_N = {(False, False): 32, (False, True): 64, (True, False): 128, (True, True): 128}
 # Context tokens per split, at least, by (K/V are int8, the batch is small). INT8 programs of a large batch want
 # to be long: each one's first tile load is exposed, and at half the bytes per token that costs twice as much
-# (16 x 16k on the H200: 186 us at 512, 168 us at 2048, 166 us at 4096; bf16 265 us at 512, 259 us at 2048).
+# (results/decode_int8_sweep-2026-12-02).
 MIN_SPLIT = {(False, False): 512, (False, True): 64, (True, False): 4096, (True, True): 64}
 SMALL_BATCH = 8
-# Registers per thread for the int8 q @ k^T loop: uncapped it takes 164, three programs per SM; capped, four and
-# no spills (16 x 16k on the H200: 164 us against 209 us).
+# Registers per thread for the int8 q @ k^T loop: capped so that four programs fit an SM instead of three, with
+# no spills (benchmarks/sm90_report.py; timings in results/decode_int8_dot-2026-12-03).
 INT8_DOT_REGISTERS = 128
 MAX_SPLITS = 64
 
@@ -151,7 +159,7 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     block_size = key_cache.shape[1]
     block_n = max(block_n, block_size) if block_n else decode_tile(kv_int8, batch, block_size)
     if split_size <= block_n:
-        num_stages = 1  # one tile per program: nothing to pipeline, and the pipeline's prologue costs ~1 us
+        num_stages = 1  # one tile per program: nothing to pipeline, and a pipeline's prologue costs time
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q, key_cache, value_cache, scales[0], scales[1], block_tables, seq_lens, part_out, part_lse,
         q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),

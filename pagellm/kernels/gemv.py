@@ -2,9 +2,8 @@
 
 Batch-1 decode streams every weight once per token, so its matmuls are bandwidth-bound matrix-vector products.
 Each program reads BLOCK_N whole rows of W in BLOCK_K-wide tiles (contiguous, pipelined loads) and reduces them
-against x in fp32. With many small programs the whole GPU keeps loads in flight. cuBLAS, given one row, reaches
-78% and 58% of HBM bandwidth on Llama-3.1-8B's qkv and o projections on the H200, and 8% on Qwen3-0.6B's o
-projection (benchmarks/results/kernels-2026-12-02).
+against x in fp32. With many small programs the whole GPU keeps loads in flight; cuBLAS, given one row, falls well
+short of HBM bandwidth, most on small projections (benchmarks/results/kernels-2026-12-02).
 """
 
 from __future__ import annotations

@@ -10,8 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagellm.kernels.paged_kv import (accumulate, asm_conversions, kv_strides, load_kv_tile, query_operand,
-                                      tile_scores)
+from pagellm.kernels.paged_kv import accumulate, asm_conversions, kv_strides, load_kv_tile, query_operand, tile_scores
 
 
 # Nothing that changes with the batch may pick a new specialization mid-serving: the block-table width (a stride),

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 INT8_MAX = 127.0
+# Top-p draws: each rejection raises the bound, so rounds are few; past this many the top token is taken.
+SAMPLE_MAX_ROUNDS = 32
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -127,3 +130,62 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values, attn_mask=plan.mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(1, 2)[plan.seq_of_token, plan.row_of_token]
+
+
+# Triton's Philox 4x32-10 constants (triton/language/random.py).
+_PHILOX_KEYS = (np.uint64(0x9E3779B9), np.uint64(0xBB67AE85))
+_PHILOX_ROUNDS = (np.uint64(0xD2511F53), np.uint64(0xCD9E8D57))
+_LOW32 = np.uint64(0xFFFFFFFF)
+
+
+def philox_uniform(seeds: np.ndarray, offset: int) -> np.ndarray:
+    """`tl.rand(seed, offset)` for each int64 seed and a 32-bit offset, bit for bit: Philox 4x32 with 10 rounds,
+    the first output word mapped to [0, 1) as Triton maps it. Products of two 32-bit words fit uint64 exactly."""
+    seeds = seeds.astype(np.uint64)
+    k0, k1 = seeds & _LOW32, (seeds >> np.uint64(32)) & _LOW32
+    c0 = np.full_like(seeds, offset & 0xFFFFFFFF)
+    c1, c2, c3 = np.zeros_like(seeds), np.zeros_like(seeds), np.zeros_like(seeds)
+    a, b = _PHILOX_ROUNDS
+    for _ in range(10):
+        hi_b, hi_a = b * c2, a * c0
+        c0, c2 = (hi_b >> np.uint64(32)) ^ c1 ^ k0, (hi_a >> np.uint64(32)) ^ c3 ^ k1
+        c1, c3 = hi_b & _LOW32, hi_a & _LOW32
+        k0, k1 = (k0 + _PHILOX_KEYS[0]) & _LOW32, (k1 + _PHILOX_KEYS[1]) & _LOW32
+    x = c0.astype(np.uint32).view(np.int32)
+    x = np.where(x < 0, -x - 1, x)  # int32 wraps as on the GPU
+    return x.astype(np.float32) * np.float32(4.6566127342e-10)
+
+
+def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
+                seeds: torch.Tensor, max_rounds: int = SAMPLE_MAX_ROUNDS) -> torch.Tensor:
+    """The sampling kernel's algorithm (kernels/sampling.py), row-batched in torch: token ids [B] from logits
+    [B, V] scaled by inv_temperature [B]; the argmax where greedy [B] != 0, else a top-p draw by inverse transform
+    with one Philox uniform per round, keyed by seeds [B] as the kernel keys them. A draw is kept when the mass of
+    the tokens more likely than it is below top_p; a rejected draw bounds the candidates from below, and the next
+    round draws among the more likely tokens. After max_rounds rejections the top token is taken."""
+    x = logits.float() * inv_temperature.float()[:, None]
+    top = x.argmax(dim=-1)
+    m = x.amax(dim=-1, keepdim=True)
+    e = torch.exp(x - m)
+    probs = e * (1.0 / e.sum(dim=-1, keepdim=True))
+    token = top.clone()
+    vocab = probs.shape[-1]
+    seeds_np = seeds.cpu().numpy()
+    rows = (greedy == 0).nonzero()[:, 0]
+    lower = torch.full((rows.numel(),), -1.0, device=x.device)  # candidates: tokens more likely than this
+    mass = torch.ones(rows.numel(), device=x.device)  # of the candidates
+    for round_ in range(max_rounds):
+        if not rows.numel():
+            break
+        p = probs[rows]
+        u = torch.from_numpy(philox_uniform(seeds_np[rows.cpu().numpy()], round_)).to(x.device)
+        candidates = torch.where(p > lower[:, None], p, 0.0)
+        before = (candidates.cumsum(dim=-1) <= (u * mass)[:, None]).sum(dim=-1)  # the first cum > target
+        draw = torch.where(before < vocab, before, top[rows])  # rounding can leave the mass short
+        p_draw = p.gather(-1, draw[:, None])
+        mass_above = torch.where(p > p_draw, p, 0.0).sum(dim=-1)
+        row_top_p = top_p[rows].float()
+        accepted = (row_top_p >= 1.0) | (draw == top[rows]) | (mass_above < row_top_p)
+        token[rows[accepted]] = draw[accepted]
+        rows, lower, mass = rows[~accepted], p_draw[~accepted, 0], mass_above[~accepted]
+    return token

@@ -5,7 +5,7 @@ softmax normalizer relative to that max. The second, one program per row, combin
 normalizer and draws by inverse transform: one uniform u per round, and the token where the running probability
 mass, in vocabulary order, first exceeds u. Round 0 knows each chunk's mass from the first kernel, so it reads a
 single chunk. One uniform per draw, where a Gumbel-max draw needs one per token: per-token Philox made the kernel
-compute-bound (0.5 ms at 256 rows of a 152k vocabulary on the H200).
+compute-bound (results/kernels-2026-12-02).
 
 With top_p < 1 a pass over the row keeps the draw when the mass of the more likely tokens is below top_p (it is in
 the nucleus), which makes the kept draw an exact sample of the renormalized nucleus. A rejected token bounds the
@@ -15,7 +15,7 @@ they are); top-k and min-p, when asked for, are applied before (as -inf masks).
 
 The uniforms are Philox, keyed by a per-row seed: the engine derives it from a request's own seed and its token
 count, so seeded requests draw the same tokens whatever else is batched (the chunking depends on the vocabulary
-alone).
+alone). `reference.sample_rows` is the twin: the same algorithm and the same uniforms in torch, the CPU path.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.reference import SAMPLE_MAX_ROUNDS as MAX_ROUNDS
+
 CHUNK = 8192  # vocabulary entries per program of the first kernel
-MAX_ROUNDS = 32  # each rejection raises the bound, so rounds are few; past this the top token is taken
 
 
 @triton.jit
@@ -154,7 +155,7 @@ def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: tor
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax [B] (int64, the first on ties), spread over the GPU: torch's argmax reduces a short batch
-    of long rows on few SMs (28 us for one 128k row on the H200)."""
+    of long rows on few SMs (results/kernels-2026-12-02)."""
     return _launch(logits, None)
 
 

@@ -25,11 +25,15 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int  # host-side bound for kernel grids (max_model_len under CUDA-graph capture)
     num_decodes: int = 0  # the first num_decodes sequences have one query token each
-    reference_plan: reference.AttentionPlan | None = None  # the torch backend's per-step indices and mask
 
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+@dataclass
+class TorchAttentionMetadata(AttentionMetadata):
+    plan: reference.AttentionPlan | None = None  # the batch's key slots and mask, shared by every layer
 
 
 @dataclass
@@ -66,8 +70,9 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
 class AttentionBackend(Protocol):
     name: str
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        """Per-step work shared by all layers (called once before the forward pass)."""
+    def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        """This backend's metadata of a step: the common fields plus its per-step work shared by all layers
+        (called once before the forward pass)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...
@@ -78,17 +83,20 @@ class TorchAttentionBackend:
 
     name = "torch"
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        metadata.reference_plan = reference.plan_attention(metadata.block_tables, metadata.query_start_loc,
-                                                           metadata.seq_lens, block_size, metadata.max_query_len,
-                                                           metadata.max_seq_len)
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+
+    def build_metadata(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
+        plan = reference.plan_attention(metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
+                                        self.block_size, metadata.max_query_len, metadata.max_seq_len)
+        return TorchAttentionMetadata(**vars(metadata), plan=plan)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
         reference.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
         return reference.paged_attention(q, cache.key, cache.value, metadata.block_tables, metadata.query_start_loc,
                                          metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len,
-                                         cache.key_scale, cache.value_scale, plan=metadata.reference_plan)
+                                         cache.key_scale, cache.value_scale, plan=metadata.plan)
 
 
 class TritonAttentionBackend:
@@ -98,18 +106,18 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, max_model_len: int) -> None:
-        self.max_model_len = max_model_len
+        from pagellm.kernels import decode_attention, kv_write, prefill_attention  # Triton: CUDA only
 
-    def prepare(self, metadata: AttentionMetadata, block_size: int) -> None:
-        pass  # the kernels read the metadata tensors directly
+        self.max_model_len = max_model_len
+        self._decode, self._kv_write, self._prefill = decode_attention, kv_write, prefill_attention
+
+    def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
+        return metadata  # the kernels read the common metadata tensors directly
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
                 metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
-        from pagellm.kernels.kv_write import write_kv
-        from pagellm.kernels.prefill_attention import paged_prefill_attention
-
-        write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
+        self._kv_write.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale,
+                                cache.value_scale)
         out = torch.empty_like(q)
         n = metadata.num_decodes
         scales = (cache.key_scale, cache.value_scale)
@@ -117,19 +125,20 @@ class TritonAttentionBackend:
             # The grid is sized for max_model_len, as in the captured graphs: sized for this step's longest
             # sequence, its split count (a specialized argument) would recompile the kernels mid-serving.
             kv_int8 = cache.key.dtype == torch.int8
-            split = split_size_for(self.max_model_len, n, kv_int8, cache.key.shape[1])
-            paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n], metadata.seq_lens[:n],
-                                   scale, self.max_model_len, split, *scales, out=out[:n])
+            split = self._decode.split_size_for(self.max_model_len, n, kv_int8, cache.key.shape[1])
+            self._decode.paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n],
+                                                metadata.seq_lens[:n], scale, self.max_model_len, split, *scales,
+                                                out=out[:n])
         if n < metadata.seq_lens.numel():
-            paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],
-                                    metadata.query_start_loc[n:], metadata.seq_lens[n:], scale,
-                                    metadata.max_query_len, *scales, out=out)
+            self._prefill.paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],
+                                                  metadata.query_start_loc[n:], metadata.seq_lens[n:], scale,
+                                                  metadata.max_query_len, *scales, out=out)
         return out
 
 
-def get_backend(name: str, max_model_len: int) -> AttentionBackend:
+def get_backend(name: str, block_size: int, max_model_len: int) -> AttentionBackend:
     if name == "torch":
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(block_size)
     if name == "triton":
         return TritonAttentionBackend(max_model_len)
     raise ValueError(f"attention backend={name!r} is invalid: must be 'torch' or 'triton'")

@@ -1,7 +1,8 @@
 """Building blocks of the Llama family: linear layers with shard-aware loading, RMSNorm, rotary embedding, MLP.
 
-Merged linears (q|k|v, gate|up) load each HF weight into its slice through `load_shard`; a tensor-parallel
-version would slice the same way per rank, without touching the model or the scheduler.
+Every layer computes through `ops` (kernels/ops.py: Triton on CUDA, the torch twins elsewhere), chosen once when
+the model is built. Merged linears (q|k|v, gate|up) load each HF weight into its slice through `load_shard`; a
+tensor-parallel version would slice the same way per rank, without touching the model or the scheduler.
 """
 
 from __future__ import annotations
@@ -9,41 +10,28 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagellm.config import RopeConfig
-from pagellm.kernels import reference
+from pagellm.kernels.ops import Ops
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, ops: Ops, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.weight.is_mkldnn:  # dense in, dense out; the op torch.compile uses for frozen CPU linears
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias, "none", [], "")
-        return linear(x, self.weight, self.bias)
+        return self.ops.linear(x, self.weight, self.bias)
 
     def pack_for_cpu(self) -> None:
         """Store the weight in oneDNN's layout (after loading): fp32 matmuls with few rows stream the weight
-        about 1.6x faster than MKL's sgemm on the 2-core machines we measured (batch 1 and 8)."""
+        faster than MKL's sgemm on 2-core CPUs (benchmarks/cpu.py)."""
         weight = self.weight.data
         del self.weight
         self.register_buffer("weight", weight.to_mkldnn())
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; one half-precision row on the GPU (batch-1 decode) goes through the GEMV kernel, which streams
-    the weight faster than cuBLAS does for a single row."""
-    one_row = x.dim() == 2 and x.shape[0] == 1
-    if one_row and bias is None and x.is_cuda and x.dtype in (torch.float16, torch.bfloat16):
-        from pagellm.kernels.gemv import gemv
-
-        return gemv(x.contiguous(), weight)
-    return F.linear(x, weight, bias)
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
@@ -54,8 +42,8 @@ def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 class MergedLinear(Linear):
     """Several output projections stored as one matrix, so one matmul computes them all."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), bias)
+    def __init__(self, in_features: int, output_sizes: list[int], ops: Ops, bias: bool = False) -> None:
+        super().__init__(in_features, sum(output_sizes), ops, bias)
         self.output_sizes = output_sizes
         self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
 
@@ -65,18 +53,15 @@ class MergedLinear(Linear):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, hidden_size: int, eps: float, ops: Ops) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (norm(x + residual), x + residual)."""
-        if x.is_cuda:
-            from pagellm.kernels.rmsnorm import rms_norm
-
-            return rms_norm(x, self.weight, self.eps, residual)
-        return reference.rms_norm(x, self.weight, self.eps, residual)
+        return self.ops.rms_norm(x, self.weight, self.eps, residual)
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
@@ -99,38 +84,28 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, ops: Ops) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
+        self.ops = ops
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
                 k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D], after RMS-normalizing each head when given per-head norms
-        (Qwen3). On CUDA one kernel does both, in place."""
-        if q.is_cuda:
-            from pagellm.kernels.rope import apply_rope_
-
-            if q_norm is None:
-                return apply_rope_(q, k, positions, self.cos_sin_cache)
-            return apply_rope_(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
-        if q_norm is not None:
-            q, _ = q_norm(q)
-            k, _ = k_norm(k)
-        return reference.apply_rope(q, k, positions, self.cos_sin_cache)
+        (Qwen3). The Triton op does both in one kernel, in place."""
+        if q_norm is None:
+            return self.ops.rope(q, k, positions, self.cos_sin_cache)
+        return self.ops.rope(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: Ops) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size])
-        self.down_proj = Linear(intermediate_size, hidden_size)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops)
+        self.down_proj = Linear(intermediate_size, hidden_size, ops)
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if gate_up.is_cuda:
-            from pagellm.kernels.activation import silu_and_mul
-
-            return self.down_proj(silu_and_mul(gate_up))
-        return self.down_proj(reference.silu_and_mul(gate_up))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))

@@ -13,19 +13,20 @@ import torch
 from torch import nn
 
 from pagellm.config import ModelConfig
+from pagellm.kernels.ops import Ops
 from pagellm.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from pagellm.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding, linear
+from pagellm.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], ops, bias=config.attention_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, ops)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
         self.scale = self.head_dim ** -0.5
@@ -44,12 +45,12 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, rotary, backend, ops)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, ops)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 cache: LayerKVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -60,15 +61,17 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, max_positions: int) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, max_positions: int) -> None:
         super().__init__()
         self.config = config
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
+        self.ops = ops
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend) for _ in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, ops)
+                                    for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, ops)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 kv_caches: list[LayerKVCache]) -> torch.Tensor:
@@ -93,13 +96,13 @@ class LlamaForCausalLM(nn.Module):
         """Logits in the model's dtype: the sampling kernel reads them as they are (an fp32 copy of 256 rows of a
         152k vocabulary costs more than the draw); the paths that need fp32 convert."""
         if self.lm_head is None:
-            return linear(hidden, self.embed_tokens.weight)
+            return self.ops.linear(hidden, self.embed_tokens.weight)
         return self.lm_head(hidden)
 
     def pack_for_cpu(self) -> None:
         """Switch every linear layer to oneDNN's weight layout; a tied LM head gets its own packed copy."""
         if self.lm_head is None:
-            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size)
+            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, self.ops)
             self.lm_head.weight.data = self.embed_tokens.weight.data
         for module in self.modules():
             if isinstance(module, Linear):

@@ -1,6 +1,6 @@
-"""Turn a SchedulerOutput into the flat inputs of one forward pass: first as host arrays (`HostBatch`), then as
-device tensors (`ModelInput`). CUDA-graph decode steps skip the second form: they copy the host arrays into their
-own buffers."""
+"""Turn a step's rows into the flat inputs of one forward pass: first as host arrays (`HostBatch`), then as device
+tensors (`ModelInput`). CUDA-graph decode steps skip the second form: they copy the host arrays into their own
+buffers."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pagellm.engine.request import Request
-from pagellm.engine.scheduler import SchedulerOutput
+from pagellm.core.step import SamplingRow, SchedulerOutput
 from pagellm.model.attention import AttentionMetadata
 from pagellm.runner.transfers import to_device_async
 
@@ -21,10 +20,11 @@ class PromptLogprobRows:
     """Rows of the logits that score prompt tokens of one request: row i predicts `targets[i]`,
     the prompt token at position `first_position + 1 + i`."""
 
-    request: Request
+    request_id: str
     rows: list[int]
     targets: list[int]
     first_position: int
+    top_n: int
 
 
 @dataclass
@@ -40,8 +40,11 @@ class HostBatch:
     logits_indices: np.ndarray  # rows that need logits: sampling rows first, then prompt-logprob rows
     num_decodes: int
     max_query_len: int
-    sampling_requests: list[Request]  # the requests that sample a token this step, in logits row order
+    sampling_ids: list[str]  # the requests that sample a token this step, in logits row order
+    sampling_rows: list[SamplingRow]  # and how
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
+    # Requests of the leading rows whose input token the step in flight is sampling (placeholders in input_ids).
+    pending_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -60,63 +63,68 @@ class ModelInput:
     logits_indices: torch.Tensor
 
 
-def build_host_batch(sched: SchedulerOutput, block_size: int) -> HostBatch:
+def build_host_batch(step: SchedulerOutput, block_size: int) -> HostBatch:
     # One-token (decode) sequences first: the attention backend runs its decode kernel on that prefix.
-    num_new = sched.num_scheduled_tokens
-    requests = sorted(sched.requests, key=lambda r: num_new[r.request_id] != 1)
+    rows = sorted(step.rows, key=lambda r: r.num_tokens != 1)
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
     query_start_loc, seq_lens = [0], []
     sample_rows: list[int] = []
-    sampling_requests: list[Request] = []
-    prompt_rows: list[tuple[Request, list[int], int, int]] = []
+    sampling_ids: list[str] = []
+    sampling_rows: list[SamplingRow] = []
+    pending_ids: list[str] = []
+    prompt_rows: list[tuple[str, int, int, list[int], int]] = []
     num_decodes = 0
-    for request in requests:
-        n = num_new[request.request_id]
-        start = request.num_computed_tokens
-        end = start + n
+    for row in rows:
+        n, start = row.num_tokens, row.start
         offset = query_start_loc[-1]
         if n == 1:  # the common case, kept free of numpy calls: a decode step has hundreds of these
             num_decodes += 1
-            # A token still being sampled by the step in flight gets a placeholder; the runner fills it in.
-            input_ids.append(request.token_at(start) if start < request.num_tokens else 0)
+            if row.token_ids:
+                input_ids.append(row.token_ids[0])
+            else:  # being sampled by the step in flight: a placeholder the runner fills in on the device
+                if len(pending_ids) != num_decodes - 1:
+                    raise ValueError("rows whose input token is pending must lead the step")
+                pending_ids.append(row.request_id)
+                input_ids.append(0)
             positions.append(start)
-            slots.append(request.block_ids[start // block_size] * block_size + start % block_size)
+            slots.append(row.block_ids[start // block_size] * block_size + start % block_size)
         else:
-            input_ids += request.token_slice(start, end)
-            pos = np.arange(start, end)
+            input_ids += row.token_ids
+            pos = np.arange(start, start + n)
             positions += pos.tolist()
-            table = np.asarray(request.block_ids, dtype=np.int64)
+            table = np.asarray(row.block_ids, dtype=np.int64)
             slots += (table[pos // block_size] * block_size + pos % block_size).tolist()
         query_start_loc.append(offset + n)
-        seq_lens.append(end)
-        if end == request.num_tokens + request.num_pending_tokens:  # caught up: the last row's logits sample
+        seq_lens.append(start + n)
+        if row.sampling is not None:  # the last position's logits sample
             sample_rows.append(offset + n - 1)
-            sampling_requests.append(request)
-        if request.wants_prompt_logprobs and start < request.num_prompt_tokens - 1:
-            last = min(end, request.num_prompt_tokens - 1)  # positions start..last-1 predict prompt tokens
-            prompt_rows.append((request, list(range(offset, offset + last - start)), start, last))
+            sampling_ids.append(row.request_id)
+            sampling_rows.append(row.sampling)
+        if row.prompt_scoring is not None:
+            prompt_rows.append((row.request_id, offset, start, row.prompt_scoring.targets, row.prompt_scoring.top_n))
     logits_indices = sample_rows
     prompt_logprob_rows = []
-    for request, rows, start, last in prompt_rows:
+    for request_id, offset, start, targets, top_n in prompt_rows:
         first_row = len(logits_indices)
-        logits_indices += rows
-        prompt_logprob_rows.append(PromptLogprobRows(
-            request, list(range(first_row, first_row + len(rows))),
-            request.prompt_token_ids[start + 1:last + 1], start))
+        logits_indices += range(offset, offset + len(targets))
+        prompt_logprob_rows.append(PromptLogprobRows(request_id, list(range(first_row, first_row + len(targets))),
+                                                     targets, start, top_n))
     return HostBatch(
         input_ids=np.array(input_ids, dtype=np.int64),
         positions=np.array(positions, dtype=np.int64),
         slot_mapping=np.array(slots, dtype=np.int64),
         query_start_loc=np.array(query_start_loc, dtype=np.int32),
         seq_lens=np.array(seq_lens, dtype=np.int32),
-        block_tables=_block_tables([r.block_ids for r in requests]),
+        block_tables=_block_tables([r.block_ids for r in rows]),
         logits_indices=np.array(logits_indices, dtype=np.int64),
         num_decodes=num_decodes,
-        max_query_len=max(num_new.values()),
-        sampling_requests=sampling_requests,
+        max_query_len=max(r.num_tokens for r in rows),
+        sampling_ids=sampling_ids,
+        sampling_rows=sampling_rows,
         prompt_logprob_rows=prompt_logprob_rows,
+        pending_ids=pending_ids,
     )
 
 

@@ -10,9 +10,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pagellm.engine.async_llm import AsyncLLM
-from pagellm.engine.request import Request
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from pagellm.sampling_params import SamplingParams
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -21,11 +21,12 @@ IsDisconnected = Callable[[], Awaitable[bool]]
 
 @dataclass
 class Job:
-    """One API call: the validated requests of each prompt (n samples each) and how to render them."""
+    """One API call: its validated prompts (n samples each, by `params`) and how to render them."""
 
     kind: str  # "completion" or "chat"
     model: str
-    requests: list[list[Request]]
+    prompts: list[list[int]]  # token ids, validated
+    params: SamplingParams
     prompt_texts: list[str]  # for echo (completions)
     echo: bool = False
     include_usage: bool = False
@@ -35,7 +36,7 @@ class Job:
 
     @property
     def n(self) -> int:
-        return len(self.requests[0])
+        return self.params.n
 
     @property
     def response_id(self) -> str:
@@ -53,9 +54,9 @@ class OpenAIServing:
     def completion_job(self, req: CompletionRequest) -> Job:
         params = req.to_sampling_params()
         prompts = req.prompts()
-        requests = [self.llm.make_requests(p, params) for p in prompts]
+        ids = [self.llm.input_processor.tokenize(p) for p in prompts]
         texts = [p if isinstance(p, str) else self._decode(p) for p in prompts]
-        return Job("completion", self.model_name, requests, texts, echo=req.echo, include_usage=req.include_usage,
+        return Job("completion", self.model_name, ids, params, texts, echo=req.echo, include_usage=req.include_usage,
                    top_logprobs=params.logprobs or 0)
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
@@ -65,9 +66,8 @@ class OpenAIServing:
         ids = tokenizer.chat_prompt_ids(req.conversation(), req.add_generation_prompt,
                                         **(req.chat_template_kwargs or {}))
         params = req.to_sampling_params()
-        requests = [self.llm.make_requests(ids, params)]
-        return Job("chat", self.model_name, requests, [""], include_usage=req.include_usage,
-                   top_logprobs=params.logprobs or 0)
+        return Job("chat", self.model_name, [self.llm.input_processor.tokenize(ids)], params, [""],
+                   include_usage=req.include_usage, top_logprobs=params.logprobs or 0)
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.llm.tokenizer is None else self.llm.tokenizer.decode(ids)
@@ -79,14 +79,14 @@ class OpenAIServing:
         cancels the producers, whose streams then abort their requests."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, requests: list[Request]) -> None:
+        async def pump(index: int, prompt: list[int]) -> None:
             try:
-                async for out in self.llm.generate(requests):
+                async for out in self.llm.generate(prompt, job.params):
                     await queue.put((index, out))
             except Exception as exc:
                 await queue.put(exc)
 
-        tasks = [asyncio.create_task(pump(i, reqs)) for i, reqs in enumerate(job.requests)]
+        tasks = [asyncio.create_task(pump(i, prompt)) for i, prompt in enumerate(job.prompts)]
         remaining = len(tasks)
         try:
             while remaining:
@@ -117,7 +117,7 @@ class OpenAIServing:
                 task.cancel()
                 return None
         task.result()
-        outputs = [finals[i] for i in range(len(job.requests))]
+        outputs = [finals[i] for i in range(len(job.prompts))]
         choices = [self._choice(job, i, out, c) for i, out in enumerate(outputs) for c in out.outputs]
         return {"id": job.response_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
                 "created": job.created, "model": job.model, "choices": choices, "usage": _usage(outputs)}
@@ -128,7 +128,7 @@ class OpenAIServing:
         logprobs_sent: dict[int, int] = {}
         finals: dict[int, RequestOutput] = {}
         if job.kind == "chat":
-            for i in range(len(job.requests) * job.n):
+            for i in range(len(job.prompts) * job.n):
                 yield _sse(self._chunk(job, [{"index": i, "delta": {"role": "assistant", "content": ""},
                                                "logprobs": None, "finish_reason": None}]))
         async for prompt_index, out in self._merged(job):

@@ -80,7 +80,10 @@ def _read_json(file: Path) -> Iterator[str]:
 
 
 def _read_parquet(file: Path) -> Iterator[str]:
-    import pyarrow.parquet as pq
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:
+        raise ValueError(f"data={str(file)!r}: reading parquet needs pyarrow: pip install 'pagellm[parquet]'") from exc
 
     parquet = pq.ParquetFile(file)
     column = next((name for name in TEXT_FIELDS if name in parquet.schema_arrow.names), None)

@@ -88,7 +88,7 @@ def test_int8_kv_holds_twice_the_tokens_at_bf16_accuracy(model_dir):
     kwargs = dict(device="cuda", gpu_memory_utilization=0.3, max_num_seqs=100_000, enforce_eager=True, quiet=True)
     bf16 = LLM(str(model_dir), dtype="bfloat16", **kwargs)
     int8 = LLM(str(model_dir), dtype="bfloat16", kv_cache_dtype="int8", **kwargs)
-    ratio = int8.engine.kv_cache.num_blocks / bf16.engine.kv_cache.num_blocks
+    ratio = int8.engine.stats().num_blocks / bf16.engine.stats().num_blocks
     assert 1.6 < ratio < 2.0  # head_dim 32: the fp32 scales cost 4 bytes per 32 int8 values
     ps = prompts(8, seed=2)
     exact = prompt_logprobs(LLM(str(model_dir), dtype="float32", **kwargs), ps)

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from pagellm import SamplingParams
-from pagellm.kernels import sampling
+from pagellm.kernels import reference, sampling
 from pagellm.kernels.sampling import argmax_rows, sample_rows
 from pagellm.runner.sampler import scaled_and_masked
 
@@ -98,3 +100,40 @@ def test_seeds_reproduce_draws():
     params = SamplingParams(temperature=1.0, top_p=0.9)
     first, again, other = draw(params, seeds), draw(params, seeds), draw(params, seeds + 1000)
     assert torch.equal(first, again) and not torch.equal(first, other)
+
+
+@triton.jit
+def _rand_kernel(seeds_ptr, out_ptr, offset):
+    row = tl.program_id(0)
+    tl.store(out_ptr + row, tl.rand(tl.load(seeds_ptr + row), offset))
+
+
+@pytest.mark.parametrize("offset", [0, 1, 31])
+def test_philox_twin_is_triton_rand(offset):
+    seeds = torch.cat([torch.tensor([0, 1, 2**32 - 1, 2**32, 2**62 - 1]),
+                       torch.randint(0, 2**62, (59,), generator=torch.Generator().manual_seed(offset))])
+    out = torch.empty(seeds.numel(), device=DEVICE)
+    _rand_kernel[(seeds.numel(),)](seeds.to(DEVICE), out, offset)
+    assert torch.equal(out.cpu(), torch.from_numpy(reference.philox_uniform(seeds.numpy(), offset)))
+
+
+def test_kernel_draws_the_twins_tokens():
+    """Same logits, temperatures, top-p and seeds: the kernel and its torch twin (the CPU sampler) pick the same
+    token in every row, greedy rows, rejection rounds and several chunks included."""
+    gen = torch.Generator().manual_seed(3)
+    rows, vocab = 64, 40
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    logits[:8, 30:] = float("-inf")  # masked tokens (top-k, min-p) are never drawn
+    inv_t = torch.rand(rows, generator=gen) + 0.5
+    greedy = (torch.arange(rows) % 7 == 0).int()
+    top_p = torch.where(torch.arange(rows) % 3 == 0, 1.0, torch.rand(rows, generator=gen) * 0.9 + 0.05)
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+    twin = reference.sample_rows(logits, inv_t, greedy, top_p, seeds)
+    sampling.CHUNK, chunk = 16, sampling.CHUNK  # several chunks: round 0 picks a chunk, then a token in it
+    try:
+        kernel = sample_rows(logits.to(DEVICE), inv_t.to(DEVICE), greedy.to(DEVICE), top_p.to(DEVICE),
+                             seeds.to(DEVICE)).cpu()
+    finally:
+        sampling.CHUNK = chunk
+    assert torch.equal(kernel, twin)
+    assert (twin[:8] < 30).all() and torch.equal(twin[greedy == 1], logits.argmax(-1)[greedy == 1])

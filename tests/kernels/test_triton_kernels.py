@@ -171,11 +171,12 @@ def test_rms_norm(dtype, hidden, with_residual):
 @pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
 def test_rope(dtype, heads, kv_heads, dim, rope_type, qk_norm):
     from pagellm.config import RopeConfig
+    from pagellm.kernels.ops import TorchOps
     from pagellm.model.layers import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(dim + heads)
     rope = RopeConfig(theta=500000.0, rope_type=rope_type, factor=8.0, original_max_position_embeddings=256)
-    cache = RotaryEmbedding(dim, 4096, rope).cos_sin_cache.to(DEVICE)
+    cache = RotaryEmbedding(dim, 4096, rope, TorchOps()).cos_sin_cache.to(DEVICE)
     tokens = 19
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
     q = qkv[:, :heads * dim].view(tokens, heads, dim)

@@ -26,12 +26,11 @@ class RunningServer:
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         """Until the engine has nothing left to do and every KV block is free again."""
-        engine = self.llm.engine
         deadline = time.time() + timeout
         while time.time() < deadline:
             stats = self.llm.stats.engine
             if stats.num_running == 0 and stats.num_waiting == 0 and \
-                    stats.num_free_blocks == engine.kv_cache.num_blocks:
+                    stats.num_free_blocks == stats.num_blocks:
                 return
             time.sleep(0.05)
         raise AssertionError(f"engine not idle: {self.llm.stats.engine}")

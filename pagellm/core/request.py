@@ -1,14 +1,12 @@
-"""Request: everything about one sequence. Nothing else keeps per-request state."""
+"""Request: the scheduler's state of one sequence (its tokens, blocks and progress). The output side (text,
+logprobs, metrics) lives in `engine/output_processor.py`; nothing else keeps per-request state."""
 
 from __future__ import annotations
 
 import enum
-import time
 from dataclasses import dataclass, field
 
-from pagellm.outputs import PositionLogprobs, RequestMetrics
 from pagellm.sampling_params import SamplingParams
-from pagellm.tokenizer import IncrementalDetokenizer
 
 
 class RequestStatus(enum.Enum):
@@ -31,29 +29,16 @@ class Request:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     max_tokens: int  # resolved: sampling_params.max_tokens or what fits in max_model_len
-    prompt: str | None = None
-    parent_id: str | None = None  # set on the n samples of a request with n > 1
-    index: int = 0  # which of the parent's n samples this is
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced by the scheduler when it schedules, not when the step returns
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first schedule
     block_ids: list[int] = field(default_factory=list)
     # Hash of each full block of this request's tokens, in order (filled as blocks fill up).
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     num_pending_tokens: int = 0  # sampled by a step still in flight, not yet in output_token_ids
-    detokenizer: IncrementalDetokenizer | None = None
-    output_text: str = ""
-    logprobs: list[PositionLogprobs] | None = None
-    prompt_logprobs: list[PositionLogprobs | None] | None = None
-    cumulative_logprob: float = 0.0
-    stop_reason: int | str | None = None
-    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(arrival_time=time.time()))
-
-    def __post_init__(self) -> None:
-        if self.sampling_params.logprobs is not None:
-            self.logprobs = []
+    first_scheduled_time: float | None = None
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -87,5 +72,8 @@ class Request:
         return self.sampling_params.prompt_logprobs is not None
 
     @property
-    def finish_reason(self) -> str | None:
-        return self.status.value if self.status.finished else None
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling this request's next token needs its previous one on the host (penalties count the
+        tokens so far; min_tokens masks stop tokens until enough are out)."""
+        params = self.sampling_params
+        return params.has_penalties or len(self.output_token_ids) + self.num_pending_tokens < params.min_tokens

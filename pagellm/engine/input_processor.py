@@ -1,0 +1,88 @@
+"""Input processing: prompts to validated token ids, and a request to its n samples. Reads only state fixed at
+start-up (tokenizer, model limits), so it is safe on any thread: AsyncLLM validates on the caller's."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from pagellm.config import ModelConfig
+from pagellm.errors import InvalidParameter
+from pagellm.sampling_params import SamplingParams
+from pagellm.tokenizer import Tokenizer
+
+
+@dataclass(frozen=True)
+class SampleRequest:
+    """One of a request's n samples, as the scheduler will run it."""
+
+    request_id: str
+    index: int
+    params: SamplingParams
+    max_tokens: int  # resolved: params.max_tokens, or what fits in max_model_len
+
+
+@dataclass(frozen=True)
+class ProcessedRequest:
+    """A validated request: plain values, handed to the engine (and its thread) and never changed after."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    samples: list[SampleRequest]
+    arrival_time: float = field(default_factory=time.time)
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, max_model_len: int,
+                 eos_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = model_config.vocab_size
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a prompt, validated: non-empty, ids in the vocabulary, shorter than max_model_len."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidParameter("prompt", "prompt: this model has no tokenizer; pass token ids instead of text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise InvalidParameter("prompt", "prompt: must not be empty")
+        vocab = self.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise InvalidParameter("prompt", f"prompt: token ids must be integers in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise InvalidParameter("prompt", f"prompt: {len(ids)} tokens is too long: max_model_len="
+                                             f"{self.max_model_len} must leave room for at least one output token")
+        return ids
+
+    def process(self, prompt: str | list[int], params: SamplingParams | None, request_id: str) -> ProcessedRequest:
+        """Validate a request and fan it out into its n samples. The caller's `params` is left as it was: each
+        sample gets its own copy, with the model's EOS ids as stop tokens unless ignore_eos."""
+        ids = self.tokenize(prompt)
+        params = replace(params or SamplingParams(),
+                         all_stop_token_ids=set() if (params and params.ignore_eos) else set(self.eos_token_ids))
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.n == 1:
+            samples = [SampleRequest(request_id, 0, params, max_tokens)]
+        else:
+            samples = [SampleRequest(f"{i}_{request_id}", i, params.for_child(i), max_tokens) for i in range(params.n)]
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, ids, samples)
+
+
+def eos_token_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Tokenizer | None) -> set[int]:
+    """The ids that end generation: config.json's, generation_config.json's and the tokenizer's EOS."""
+    ids = set(model_config.eos_token_ids)
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.exists():
+        eos = json.loads(gen_config.read_text()).get("eos_token_id")
+        ids |= set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids

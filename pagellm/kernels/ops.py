@@ -1,0 +1,102 @@
+"""The model's and the sampler's elementwise and row ops behind one facade, picked once when the runner is built:
+`TritonOps` on CUDA, `TorchOps` (the plain-torch twins of `reference.py`) everywhere else. Layers call
+`self.ops.<op>` and never ask which device they are on."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from pagellm.kernels import reference
+
+
+class Ops(Protocol):
+    name: str
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+             eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def sample_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
+                    top_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor: ...
+
+    def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
+
+
+class TorchOps:
+    """The reference twins: the CPU path and the oracle of the Triton kernels."""
+
+    name = "torch"
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return reference.rms_norm(x, weight, eps, residual)
+
+    def rope(self, q, k, positions, cos_sin_cache, q_norm=None, k_norm=None, eps=0.0):
+        if q_norm is not None:  # Qwen3 normalizes each head before rotating it
+            q, _ = reference.rms_norm(q, q_norm, eps)
+            k, _ = reference.rms_norm(k, k_norm, eps)
+        return reference.apply_rope(q, k, positions, cos_sin_cache)
+
+    def silu_and_mul(self, x):
+        return reference.silu_and_mul(x)
+
+    def linear(self, x, weight, bias=None):
+        if weight.is_mkldnn:  # dense in, dense out; the op torch.compile uses for frozen CPU linears
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
+        return F.linear(x, weight, bias)
+
+    def sample_rows(self, logits, inv_temperature, greedy, top_p, seeds):
+        return reference.sample_rows(logits, inv_temperature, greedy, top_p, seeds)
+
+    def argmax_rows(self, logits):
+        return logits.argmax(dim=-1)
+
+
+class TritonOps:
+    """The Triton kernels of this package (CUDA); imported here, so the CPU path never imports Triton."""
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        from pagellm.kernels import activation, gemv, rmsnorm, rope, sampling
+
+        self._activation, self._gemv, self._rmsnorm, self._rope, self._sampling = (
+            activation, gemv, rmsnorm, rope, sampling)
+
+    def rms_norm(self, x, weight, eps, residual=None):
+        return self._rmsnorm.rms_norm(x, weight, eps, residual)
+
+    def rope(self, q, k, positions, cos_sin_cache, q_norm=None, k_norm=None, eps=0.0):
+        """In place, the per-head norms fused in."""
+        if q_norm is None:
+            return self._rope.apply_rope_(q, k, positions, cos_sin_cache)
+        return self._rope.apply_rope_(q, k, positions, cos_sin_cache, q_norm, k_norm, eps)
+
+    def silu_and_mul(self, x):
+        return self._activation.silu_and_mul(x)
+
+    def linear(self, x, weight, bias=None):
+        """One half-precision row (batch-1 decode) goes through the GEMV kernel, which streams the weight faster
+        than cuBLAS does for a single row."""
+        if x.dim() == 2 and x.shape[0] == 1 and bias is None and x.dtype in (torch.float16, torch.bfloat16):
+            return self._gemv.gemv(x.contiguous(), weight)
+        return F.linear(x, weight, bias)
+
+    def sample_rows(self, logits, inv_temperature, greedy, top_p, seeds):
+        return self._sampling.sample_rows(logits, inv_temperature, greedy, top_p, seeds)
+
+    def argmax_rows(self, logits):
+        return self._sampling.argmax_rows(logits)
+
+
+def ops_for(device: torch.device) -> Ops:
+    return TritonOps() if device.type == "cuda" else TorchOps()
