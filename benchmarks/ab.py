@@ -50,8 +50,14 @@ print("RESULT " + json.dumps(out))
 
 def measure(tree: Path, model: str, throughput: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
-    proc = subprocess.run([sys.executable, "-c", CHILD, model, "1" if throughput else "0"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, check=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, model, "1" if throughput else "0"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(proc.stdout.split("RESULT ")[-1])
 
 
@@ -76,14 +82,30 @@ def main() -> None:
         for metric in runs[model, "a"][0]:
             a = statistics.mean(r[metric] for r in runs[model, "a"])
             b = statistics.mean(r[metric] for r in runs[model, "b"])
-            rows.append({"model": model, "metric": metric, args.label_a: a, args.label_b: b, "b_over_a": b / a,
-                         "runs_a": [r[metric] for r in runs[model, "a"]],
-                         "runs_b": [r[metric] for r in runs[model, "b"]]})
+            rows.append(
+                {
+                    "model": model,
+                    "metric": metric,
+                    args.label_a: a,
+                    args.label_b: b,
+                    "b_over_a": b / a,
+                    "runs_a": [r[metric] for r in runs[model, "a"]],
+                    "runs_b": [r[metric] for r in runs[model, "b"]],
+                }
+            )
     table = markdown_table(rows, ["model", "metric", args.label_a, args.label_b, "b_over_a"])
-    write_results("ab", {"environment": environment(), "rows": rows, "a": args.label_a, "b": args.label_b,
-                         "note": "dummy weights, bf16, CUDA graphs, max_model_len 4096; mean of two processes "
-                                 "each (order A B B A); throughput: 256 requests, in/out U[100, 1024], top-p 0.95"},
-                  table)
+    write_results(
+        "ab",
+        {
+            "environment": environment(),
+            "rows": rows,
+            "a": args.label_a,
+            "b": args.label_b,
+            "note": "dummy weights, bf16, CUDA graphs, max_model_len 4096; mean of two processes "
+            "each (order A B B A); throughput: 256 requests, in/out U[100, 1024], top-p 0.95",
+        },
+        table,
+    )
     print(table)
 
 

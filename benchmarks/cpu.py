@@ -45,8 +45,7 @@ def time_hf(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
+        out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     elapsed = time.perf_counter() - start
     assert out.shape[1] - batch["input_ids"].shape[1] == new_tokens
     return elapsed
@@ -90,8 +89,13 @@ def main() -> None:
     tensors += [t for n, t in model.named_buffers() if n.endswith("weight")]
     weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
     table = markdown_table(rows, ["batch", "new_tokens", "pagellm_tok_s", "hf_tok_s", "speedup"])
-    payload = {"environment": environment(), "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
-               "weight_bytes": weight_bytes, "rows": rows, "repeats": args.repeats}
+    payload = {
+        "environment": environment(),
+        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
+        "weight_bytes": weight_bytes,
+        "rows": rows,
+        "repeats": args.repeats,
+    }
     path = write_results("cpu", payload, table)
     print(table)
     print(f"weights: {weight_bytes / 1e6:.0f} MB fp32 streamed per decode step; results: {path}")

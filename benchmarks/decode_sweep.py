@@ -28,9 +28,26 @@ def main() -> None:
             if split % block_n:
                 continue
             try:
-                ms = triton.testing.do_bench(lambda: paged_decode_attention(
-                    q, k, v, tables, lens, DIM ** -0.5, ctx, split, ks, vs, block_n=block_n, num_warps=warps,
-                    num_stages=stages), warmup=20, rep=100, return_mode="median")
+                ms = triton.testing.do_bench(
+                    lambda: paged_decode_attention(
+                        q,
+                        k,
+                        v,
+                        tables,
+                        lens,
+                        DIM**-0.5,
+                        ctx,
+                        split,
+                        ks,
+                        vs,
+                        block_n=block_n,
+                        num_warps=warps,
+                        num_stages=stages,
+                    ),
+                    warmup=20,
+                    rep=100,
+                    return_mode="median",
+                )
             except Exception as exc:  # e.g. out of shared memory
                 print("skip", block_n, warps, stages, split, type(exc).__name__)
                 continue

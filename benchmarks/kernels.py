@@ -59,8 +59,15 @@ def paged_cache(batch: int, ctx: int, int8: bool, gen: torch.Generator):
 
 
 def bandwidth_row(kernel: str, batch: int, context: int, ms: float, moved: int, bandwidth: float, **peers) -> dict:
-    return {"kernel": kernel, "batch": batch, "context": context, "ms": ms, "GB/s": moved / ms / 1e6,
-            "% of HBM": 100 * moved / ms / 1e-3 / bandwidth, **peers}
+    return {
+        "kernel": kernel,
+        "batch": batch,
+        "context": context,
+        "ms": ms,
+        "GB/s": moved / ms / 1e6,
+        "% of HBM": 100 * moved / ms / 1e-3 / bandwidth,
+        **peers,
+    }
 
 
 def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
@@ -69,15 +76,17 @@ def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     lens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
     split = split_size_for(max(ctx, 8192), batch, int8, BLOCK)
-    ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, DIM ** -0.5, ctx, split, ks, vs))
+    ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, DIM**-0.5, ctx, split, ks, vs))
     kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size() + (2 * batch * ctx * KV_HEADS * 4 if int8 else 0)
     row = bandwidth_row(f"decode {'int8' if int8 else 'bf16'}", batch, ctx, ms, kv_bytes, bandwidth)
     if not int8:  # the peer: SDPA on contiguous, unpaged K/V (its best case: no gather)
         kc = torch.randn(batch, KV_HEADS, ctx, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         vc = torch.randn_like(kc)
         qc = q.view(batch, HEADS, 1, DIM)
-        for name, backend in (("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
-                              ("flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION)):
+        for name, backend in (
+            ("cudnn", torch.nn.attention.SDPBackend.CUDNN_ATTENTION),
+            ("flash", torch.nn.attention.SDPBackend.FLASH_ATTENTION),
+        ):
             try:
                 with torch.nn.attention.sdpa_kernel(backend):
                     sdpa_ms = bench_ms(lambda: F.scaled_dot_product_attention(qc, kc, vc, enable_gqa=True))
@@ -100,8 +109,7 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
     slots = torch.randperm(65536, device="cuda", generator=gen)[:8192]
     kv = torch.randn(8192, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     for int8 in (False, True):
-        cache = allocate_kv_caches(1, 4096, BLOCK, KV_HEADS, DIM, torch.int8 if int8 else torch.bfloat16,
-                                   kv.device)[0]
+        cache = allocate_kv_caches(1, 4096, BLOCK, KV_HEADS, DIM, torch.int8 if int8 else torch.bfloat16, kv.device)[0]
         ms = bench_ms(lambda: write_kv(kv, kv, cache.key, cache.value, slots, cache.key_scale, cache.value_scale))
         moved = 2 * kv.numel() * 2 + 2 * kv.numel() * cache.key.element_size()
         rows.append(bandwidth_row(f"kv write {'int8' if int8 else 'bf16'}", 8192, 0, ms, moved, bandwidth))
@@ -131,8 +139,11 @@ def sampling_rows(bandwidth: float) -> list[dict]:
     Bytes moved: one read of the logits."""
     gen = torch.Generator(device="cuda").manual_seed(2)
     rows = []
-    for name, batch, vocab, top_p in (("sample top-p 0.95", 256, 151936, 0.95), ("sample", 256, 151936, 1.0),
-                                      ("argmax", 1, 128256, None)):
+    for name, batch, vocab, top_p in (
+        ("sample top-p 0.95", 256, 151936, 0.95),
+        ("sample", 256, 151936, 1.0),
+        ("argmax", 1, 128256, None),
+    ):
         logits = (2 * torch.randn(batch, vocab, device="cuda", generator=gen)).bfloat16()
         if top_p is None:
             ms, peer = bench_ms(lambda: argmax_rows(logits)), bench_ms(lambda: logits.argmax(-1))
@@ -151,22 +162,41 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bandwidth", type=float, default=4.3e12, help="measured copy bandwidth, bytes/s")
     args = parser.parse_args()
-    rows = [decode_row(b, c, int8, args.bandwidth)
-            for b, c in ((64, 4096), (1, 32768), (16, 16384), (1, 16384))
-            for int8 in (False, True)]
+    rows = [
+        decode_row(b, c, int8, args.bandwidth)
+        for b, c in ((64, 4096), (1, 32768), (16, 16384), (1, 16384))
+        for int8 in (False, True)
+    ]
     rows += norm_rope_rows(args.bandwidth) + gemv_rows(args.bandwidth) + sampling_rows(args.bandwidth)
     by_key = {(r["kernel"], r["batch"], r["context"]): r for r in rows}
     for ctx_b in ((16, 16384), (1, 16384)):
         bf16, int8 = by_key[("decode bf16", *ctx_b)], by_key[("decode int8", *ctx_b)]
         int8["int8 speedup"] = bf16["ms"] / int8["ms"]
-    columns = ["kernel", "batch", "context", "ms", "GB/s", "% of HBM", "sdpa_cudnn_ms", "sdpa_flash_ms", "torch_ms",
-               "int8 speedup"]
+    columns = [
+        "kernel",
+        "batch",
+        "context",
+        "ms",
+        "GB/s",
+        "% of HBM",
+        "sdpa_cudnn_ms",
+        "sdpa_flash_ms",
+        "torch_ms",
+        "int8 speedup",
+    ]
     table = markdown_table(rows, columns)
-    write_results("kernels", {"environment": environment(), "bandwidth": args.bandwidth,
-                              "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block": BLOCK},
-                              "batch x context": "decode: sequences x context tokens; add+rmsnorm: tokens x hidden; "
-                                                 "kv write: tokens; gemv: N x K; sample/argmax: rows x vocabulary",
-                              "rows": rows}, table)
+    write_results(
+        "kernels",
+        {
+            "environment": environment(),
+            "bandwidth": args.bandwidth,
+            "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block": BLOCK},
+            "batch x context": "decode: sequences x context tokens; add+rmsnorm: tokens x hidden; "
+            "kv write: tokens; gemv: N x K; sample/argmax: rows x vocabulary",
+            "rows": rows,
+        },
+        table,
+    )
     print(table)
 
 

@@ -59,8 +59,14 @@ def cold_start(path: str, triton_cache_dir: str) -> dict[str, float]:
     """Seconds from a fresh process's `import pagellm` to its first token ("total"), split into the import, the
     engine's construction (and its phases) and the first request."""
     env = dict(os.environ, TRITON_CACHE_DIR=triton_cache_dir)
-    out = subprocess.run([sys.executable, "-c", COLD_START, path], capture_output=True, text=True, env=env,
-                         cwd=Path(__file__).resolve().parent.parent, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", COLD_START, path],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=Path(__file__).resolve().parent.parent,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -81,19 +87,47 @@ def main() -> None:
         b1, ttft = decode_rate(llm, 1, 128, args.new_tokens)
         b16, ttft16 = decode_rate(llm, 16, 128, args.new_tokens)
         limit = args.bandwidth / weight_bytes(name)
-        rows.append({"model": name, "b1_tok_s": b1, "b1_limit_tok_s": limit, "b1_%_of_limit": 100 * b1 / limit,
-                     "b16_tok_s": b16, "ttft_ms_128": ttft, "ttft_ms_b16": ttft16,
-                     "cold_start_s": statistics.median(run["total"] for run in cold_fresh),
-                     "cold_start_max_s": max(run["total"] for run in cold_fresh),
-                     "cold_start_warm_triton_cache_s": cold_warm["total"], "cold_start_runs": cold_fresh})
+        rows.append(
+            {
+                "model": name,
+                "b1_tok_s": b1,
+                "b1_limit_tok_s": limit,
+                "b1_%_of_limit": 100 * b1 / limit,
+                "b16_tok_s": b16,
+                "ttft_ms_128": ttft,
+                "ttft_ms_b16": ttft16,
+                "cold_start_s": statistics.median(run["total"] for run in cold_fresh),
+                "cold_start_max_s": max(run["total"] for run in cold_fresh),
+                "cold_start_warm_triton_cache_s": cold_warm["total"],
+                "cold_start_runs": cold_fresh,
+            }
+        )
         del llm
         gc.collect()
         torch.cuda.empty_cache()
-    columns = ["model", "b1_tok_s", "b1_limit_tok_s", "b1_%_of_limit", "b16_tok_s", "ttft_ms_128", "ttft_ms_b16",
-               "cold_start_s", "cold_start_max_s", "cold_start_warm_triton_cache_s"]
+    columns = [
+        "model",
+        "b1_tok_s",
+        "b1_limit_tok_s",
+        "b1_%_of_limit",
+        "b16_tok_s",
+        "ttft_ms_128",
+        "ttft_ms_b16",
+        "cold_start_s",
+        "cold_start_max_s",
+        "cold_start_warm_triton_cache_s",
+    ]
     table = markdown_table(rows, columns)
-    write_results("latency", {"environment": environment(), "rows": rows, "new_tokens": args.new_tokens,
-                              "note": "dummy weights, bf16, CUDA graphs on, max_model_len 4096"}, table)
+    write_results(
+        "latency",
+        {
+            "environment": environment(),
+            "rows": rows,
+            "new_tokens": args.new_tokens,
+            "note": "dummy weights, bf16, CUDA graphs on, max_model_len 4096",
+        },
+        table,
+    )
     print(table)
 
 

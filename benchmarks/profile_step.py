@@ -36,8 +36,9 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    llm = LLM(model_dir(args.model), load_format="dummy", max_model_len=4096, max_num_seqs=max(args.batch, 16),
-              quiet=True)
+    llm = LLM(
+        model_dir(args.model), load_format="dummy", max_model_len=4096, max_num_seqs=max(args.batch, 16), quiet=True
+    )
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=10_000, ignore_eos=True)
@@ -63,13 +64,27 @@ def main() -> None:
     gpu_ms = sum(e.device_time_total for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
     top = sorted(kernels, key=lambda e: -e.device_time_total)[:15]
-    result = {"model": args.model, "batch": args.batch, "context": args.context, "wall_ms_per_step": wall_ms,
-              "gpu_kernel_ms_per_step": gpu_ms, "kernels_per_step": launches,
-              "tok_s": args.batch / wall_ms * 1e3,
-              "top_kernels": [{"name": e.key[:90], "us_per_step": e.device_time_total / args.steps,
-                               "calls_per_step": e.count / args.steps} for e in top]}
-    print(f"{args.model} batch {args.batch} ctx {args.context}: wall {wall_ms:.3f} ms/step, GPU kernels "
-          f"{gpu_ms:.3f} ms/step, {launches:.0f} kernels/step, {result['tok_s']:.0f} tok/s")
+    result = {
+        "model": args.model,
+        "batch": args.batch,
+        "context": args.context,
+        "wall_ms_per_step": wall_ms,
+        "gpu_kernel_ms_per_step": gpu_ms,
+        "kernels_per_step": launches,
+        "tok_s": args.batch / wall_ms * 1e3,
+        "top_kernels": [
+            {
+                "name": e.key[:90],
+                "us_per_step": e.device_time_total / args.steps,
+                "calls_per_step": e.count / args.steps,
+            }
+            for e in top
+        ],
+    }
+    print(
+        f"{args.model} batch {args.batch} ctx {args.context}: wall {wall_ms:.3f} ms/step, GPU kernels "
+        f"{gpu_ms:.3f} ms/step, {launches:.0f} kernels/step, {result['tok_s']:.0f} tok/s"
+    )
     for k in result["top_kernels"]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}")
     if args.json:

@@ -24,13 +24,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 
-TOPICS = ["a lighthouse", "the moon", "a lost key", "a robot chef", "an old map", "a thunderstorm", "a tiny dragon",
-          "the ocean", "a secret garden", "a time machine"]
+TOPICS = [
+    "a lighthouse",
+    "the moon",
+    "a lost key",
+    "a robot chef",
+    "an old map",
+    "a thunderstorm",
+    "a tiny dragon",
+    "the ocean",
+    "a secret garden",
+    "a time machine",
+]
 
 
 async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: str, max_tokens: int) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0.8, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.8,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     token_times, tokens = [], 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as resp:
@@ -69,8 +86,13 @@ async def run_rate(url: str, model: str, rate: float, num_requests: int, max_tok
     ttft = [r["ttft"] for r in results]
     tpot = [r["tpot"] for r in results]
     itl = [x for r in results for x in r["itl"]]
-    row = {"rate": rate, "requests": num_requests, "duration_s": duration,
-           "req_per_s": num_requests / duration, "out_tok_per_s": sum(r["tokens"] for r in results) / duration}
+    row = {
+        "rate": rate,
+        "requests": num_requests,
+        "duration_s": duration,
+        "req_per_s": num_requests / duration,
+        "out_tok_per_s": sum(r["tokens"] for r in results) / duration,
+    }
     for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
         for q in (50, 90, 99):
             row[f"{name}_p{q}_ms"] = pct(values, q)
@@ -106,13 +128,31 @@ def main() -> None:
     parser.add_argument("--name", default="serving")
     args = parser.parse_args()
     model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-    rows = [asyncio.run(run_rate(args.url, model, rate, args.num_requests, args.max_tokens, args.seed))
-            for rate in args.rates]
-    columns = ["rate", "req_per_s", "out_tok_per_s", "ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "tpot_p50_ms",
-               "tpot_p90_ms", "tpot_p99_ms", "itl_p50_ms", "itl_p99_ms"]
+    rows = [
+        asyncio.run(run_rate(args.url, model, rate, args.num_requests, args.max_tokens, args.seed))
+        for rate in args.rates
+    ]
+    columns = [
+        "rate",
+        "req_per_s",
+        "out_tok_per_s",
+        "ttft_p50_ms",
+        "ttft_p90_ms",
+        "ttft_p99_ms",
+        "tpot_p50_ms",
+        "tpot_p90_ms",
+        "tpot_p99_ms",
+        "itl_p50_ms",
+        "itl_p99_ms",
+    ]
     table = markdown_table(rows, columns)
-    payload = {"environment": environment(), "model": model, "url": args.url, "max_tokens": args.max_tokens,
-               "rows": rows}
+    payload = {
+        "environment": environment(),
+        "model": model,
+        "url": args.url,
+        "max_tokens": args.max_tokens,
+        "rows": rows,
+    }
     path = write_results(args.name, payload, table)
     plot(rows, path.with_suffix(".png"))
     print(table)

@@ -49,8 +49,9 @@ def compile_for_sm90(kernel: JITFunction, args: tuple, kwargs: dict) -> triton.c
         if param.is_constexpr:
             signature[name], constants[(i,)] = "constexpr", value
             continue
-        kind, attr = native_specialize_impl(BaseBackend, value, False, not param.do_not_specialize,
-                                            not param.do_not_specialize_on_alignment)
+        kind, attr = native_specialize_impl(
+            BaseBackend, value, False, not param.do_not_specialize, not param.do_not_specialize_on_alignment
+        )
         signature[name] = "fp32" if isinstance(value, float) else kind
         if kind == "constexpr":
             constants[(i,)] = attr
@@ -80,8 +81,11 @@ def programs_per_sm(registers: int, warps: int, shared: int) -> int:
 def main_loop_mix(listing: str) -> collections.Counter:
     """Opcode counts of the longest backward branch's body (per thread, one iteration)."""
     code = {int(a, 16): op for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", listing)}
-    loops = [(int(m.group(1), 16), addr) for addr, op in code.items()
-             if (m := re.search(r"BRA (0x[0-9a-f]+)", op)) and int(m.group(1), 16) < addr]
+    loops = [
+        (int(m.group(1), 16), addr)
+        for addr, op in code.items()
+        if (m := re.search(r"BRA (0x[0-9a-f]+)", op)) and int(m.group(1), 16) < addr
+    ]
     if not loops:
         return collections.Counter()
     start, end = max(loops, key=lambda span: span[1] - span[0])
@@ -89,8 +93,9 @@ def main_loop_mix(listing: str) -> collections.Counter:
     return collections.Counter(op.split()[1 if op.startswith("@") else 0].split(".")[0] for op in body)
 
 
-def decode_report(batch: int, context: int, int8: bool, block_n: int | None, warps: int, stages: int,
-                  split: int | None) -> dict:
+def decode_report(
+    batch: int, context: int, int8: bool, block_n: int | None, warps: int, stages: int, split: int | None
+) -> dict:
     block = 16
     kv_dtype = torch.int8 if int8 else torch.bfloat16
     cache = allocate_kv_caches(1, 64, block, 8, 128, kv_dtype, torch.device("cpu"))[0]
@@ -106,18 +111,36 @@ def decode_report(batch: int, context: int, int8: bool, block_n: int | None, war
         launches.append(compile_for_sm90(self, args, kwargs))
 
     # The launcher as it runs on the GPU: inline-PTX conversions on, launches compiled instead of run.
-    with mock.patch.object(JITFunction, "run", intercept), \
-            mock.patch.object(decode_attention, "asm_conversions", lambda q: True):
-        decode_attention.paged_decode_attention(q, cache.key, cache.value, tables, lens, 128 ** -0.5, context,
-                                                split, cache.key_scale, cache.value_scale, block_n=block_n,
-                                                num_warps=warps, num_stages=stages)
+    with (
+        mock.patch.object(JITFunction, "run", intercept),
+        mock.patch.object(decode_attention, "asm_conversions", lambda q: True),
+    ):
+        decode_attention.paged_decode_attention(
+            q,
+            cache.key,
+            cache.value,
+            tables,
+            lens,
+            128**-0.5,
+            context,
+            split,
+            cache.key_scale,
+            cache.value_scale,
+            block_n=block_n,
+            num_warps=warps,
+            num_stages=stages,
+        )
     partial = launches[0]
     report = resources(partial)
     mix = main_loop_mix(cuobjdump(partial, "-sass"))
-    report.update(programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
-                  tile=tile, split=split, loop_instructions=sum(mix.values()),
-                  warp_instructions_per_token=round(sum(mix.values()) * warps / tile, 1),
-                  loop_mix=dict(mix.most_common()))
+    report.update(
+        programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
+        tile=tile,
+        split=split,
+        loop_instructions=sum(mix.values()),
+        warp_instructions_per_token=round(sum(mix.values()) * warps / tile, 1),
+        loop_mix=dict(mix.most_common()),
+    )
     return report
 
 

@@ -41,9 +41,13 @@ def run_pagellm(path: str, prompts: list[list[int]], out_lens: list[int], **kwar
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     assert generated == sum(out_lens)
     stats = llm.engine.stats()
-    result = {"elapsed_s": elapsed, "output_tok_s": generated / elapsed,
-              "total_tok_s": (generated + sum(map(len, prompts))) / elapsed,
-              "kv_blocks": stats.num_blocks, "preemptions": stats.num_preemptions}
+    result = {
+        "elapsed_s": elapsed,
+        "output_tok_s": generated / elapsed,
+        "total_tok_s": (generated + sum(map(len, prompts))) / elapsed,
+        "kv_blocks": stats.num_blocks,
+        "preemptions": stats.num_preemptions,
+    }
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -58,16 +62,23 @@ def run_hf(name: str, prompts: list[list[int]], out_lens: list[int], batch: int)
     model.generation_config.eos_token_id = None
     generated, start = 0, time.perf_counter()
     for i in range(0, len(prompts), batch):
-        chunk, lens = prompts[i:i + batch], out_lens[i:i + batch]
+        chunk, lens = prompts[i : i + batch], out_lens[i : i + batch]
         width = max(map(len, chunk))
         ids = torch.zeros(len(chunk), width, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for row, p in enumerate(chunk):  # left padding
-            ids[row, width - len(p):] = torch.tensor(p)
-            mask[row, width - len(p):] = 1
+            ids[row, width - len(p) :] = torch.tensor(p)
+            mask[row, width - len(p) :] = 1
         with torch.inference_mode():
-            model.generate(input_ids=ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=max(lens),
-                           do_sample=True, temperature=0.8, top_p=0.95, pad_token_id=0)
+            model.generate(
+                input_ids=ids.cuda(),
+                attention_mask=mask.cuda(),
+                max_new_tokens=max(lens),
+                do_sample=True,
+                temperature=0.8,
+                top_p=0.95,
+                pad_token_id=0,
+            )
         generated += sum(lens)  # only the tokens each request asked for count
     elapsed = time.perf_counter() - start
     del model
@@ -91,16 +102,32 @@ def main() -> None:
         row = {"model": name, "requests": args.num_requests, "kv_cache_dtype": args.kv_cache_dtype}
         row.update(run_pagellm(path, prompts, out_lens, max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype))
         if args.hf_requests:
-            row.update(run_hf(name, prompts[:args.hf_requests], out_lens[:args.hf_requests], args.hf_batch))
+            row.update(run_hf(name, prompts[: args.hf_requests], out_lens[: args.hf_requests], args.hf_batch))
             row["speedup_vs_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
         print(row, flush=True)
-    columns = ["model", "requests", "kv_cache_dtype", "output_tok_s", "total_tok_s", "elapsed_s", "preemptions",
-               "hf_requests", "hf_output_tok_s", "speedup_vs_hf"]
+    columns = [
+        "model",
+        "requests",
+        "kv_cache_dtype",
+        "output_tok_s",
+        "total_tok_s",
+        "elapsed_s",
+        "preemptions",
+        "hf_requests",
+        "hf_output_tok_s",
+        "speedup_vs_hf",
+    ]
     table = markdown_table(rows, columns)
-    path = write_results("throughput-" + "-".join(args.models), {"environment": environment(), "rows": rows,
-                                        "workload": "input/output uniform [100, 1024], random ids, ignore_eos, "
-                                                    "temperature 0.8, top_p 0.95"}, table)
+    path = write_results(
+        "throughput-" + "-".join(args.models),
+        {
+            "environment": environment(),
+            "rows": rows,
+            "workload": "input/output uniform [100, 1024], random ids, ignore_eos, temperature 0.8, top_p 0.95",
+        },
+        table,
+    )
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -20,11 +20,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     for f in dataclasses.fields(EngineConfig):
         flags = [f"--{f.name.replace('_', '-')}", *f.metadata["aliases"]]
         if f.type == "bool":
-            group.add_argument(*flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default,
-                               help=f.metadata["help"])
+            group.add_argument(
+                *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"]
+            )
         else:
-            group.add_argument(*flags, dest=f.name, type=_ARG_TYPES[f.type], default=f.default,
-                               choices=f.metadata["choices"], help=f.metadata["help"])
+            group.add_argument(
+                *flags,
+                dest=f.name,
+                type=_ARG_TYPES[f.type],
+                default=f.default,
+                choices=f.metadata["choices"],
+                help=f.metadata["help"],
+            )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -40,8 +47,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                          top_k=args.top_k, stop=args.stop)
+    return SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, stop=args.stop
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -82,8 +90,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     llm = AsyncLLM(EngineConfig(**engine_kwargs(args)))
     name = args.served_model_name or served_model_name(args.model)
-    app = create_app(llm, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
-                     max_body_bytes=args.max_body_bytes)
+    app = create_app(
+        llm, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"), max_body_bytes=args.max_body_bytes
+    )
     url = f"http://{args.host}:{args.port}"
     print(f"pagellm: serving {name} — demo page {url}/ — OpenAI API {url}/v1", flush=True)
     try:
@@ -95,14 +104,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
 def cmd_train(args: argparse.Namespace) -> None:
     from pagellm.training.train import TrainConfig, Trainer
 
-    cfg = TrainConfig(data=args.data, output=args.output, preset=args.preset, max_steps=args.max_steps,
-                      vocab_size=args.vocab_size, batch_size=args.batch_size, lr=args.lr,
-                      warmup_steps=args.warmup_steps, eval_every=args.eval_every, save_every=args.save_every,
-                      seed=args.seed, device=args.device, quiet=args.quiet)
+    cfg = TrainConfig(
+        data=args.data,
+        output=args.output,
+        preset=args.preset,
+        max_steps=args.max_steps,
+        vocab_size=args.vocab_size,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        warmup_steps=args.warmup_steps,
+        eval_every=args.eval_every,
+        save_every=args.save_every,
+        seed=args.seed,
+        device=args.device,
+        quiet=args.quiet,
+    )
     history = Trainer(cfg, resume=args.resume).train()
-    print(f"validation loss {history['val'][0][1]:.3f} -> {history['val'][-1][1]:.3f}, "
-          f"{history['tokens_per_second']:,.0f} training tokens/s; model in {args.output} "
-          f"(loss curve: {args.output}/loss.png)")
+    print(
+        f"validation loss {history['val'][0][1]:.3f} -> {history['val'][-1][1]:.3f}, "
+        f"{history['tokens_per_second']:,.0f} training tokens/s; model in {args.output} "
+        f"(loss curve: {args.output}/loss.png)"
+    )
 
 
 def cmd_convert(args: argparse.Namespace) -> None:

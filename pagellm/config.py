@@ -130,24 +130,30 @@ class EngineConfig:
     """What the user picked for the engine: the one list of engine options. `LLM(...)` keyword arguments and the
     CLI's flags (`--max-num-seqs` for max_num_seqs) are these fields, with these defaults and help texts."""
 
-    model: str | None = _option(None, "HF directory, .gguf file or hub id (default: the embedded "
-                                      "SmolLM2-135M-Instruct)")
+    model: str | None = _option(
+        None, "HF directory, .gguf file or hub id (default: the embedded SmolLM2-135M-Instruct)"
+    )
     device: str | None = _option(None, "cpu or cuda (default: cuda when available)")
-    dtype: str = _option("auto", "weights and activations ('auto': the checkpoint's on GPU, float32 on CPU)",
-                         DTYPES)
-    kv_cache_dtype: str = _option("auto", "KV cache storage ('auto': the model's dtype; int8: per-token scales)",
-                                  KV_CACHE_DTYPES)
+    dtype: str = _option("auto", "weights and activations ('auto': the checkpoint's on GPU, float32 on CPU)", DTYPES)
+    kv_cache_dtype: str = _option(
+        "auto", "KV cache storage ('auto': the model's dtype; int8: per-token scales)", KV_CACHE_DTYPES
+    )
     block_size: int = _option(16, "tokens per KV cache block")
     max_num_seqs: int = _option(256, "sequences per step at most")
     max_num_batched_tokens: int | None = _option(
-        None, f"tokens per step, prefill chunks and decodes together (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})")
-    max_model_len: int | None = _option(None, "longest sequence, prompt and output (default: the model's limit, "
-                                              "cut to what the KV cache holds when that is known up front)")
+        None, f"tokens per step, prefill chunks and decodes together (default {DEFAULT_MAX_NUM_BATCHED_TOKENS})"
+    )
+    max_model_len: int | None = _option(
+        None,
+        "longest sequence, prompt and output (default: the model's limit, "
+        "cut to what the KV cache holds when that is known up front)",
+    )
     num_kv_blocks: int | None = _option(None, "KV cache blocks (default: sized from the memory left)")
     gpu_memory_utilization: float = _option(0.9, "share of the GPU's memory this engine may use")
     cpu_kv_cache_gib: float = _option(2.0, "KV cache size on the CPU, in GiB")
-    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes",
-                                          aliases=("--prefix-caching",))
+    enable_prefix_caching: bool = _option(
+        True, "reuse the KV blocks of shared prompt prefixes", aliases=("--prefix-caching",)
+    )
     enforce_eager: bool = _option(False, "no CUDA graphs")
     async_scheduling: bool = _option(True, "launch a decode step before the previous one's tokens are back")
     seed: int = _option(0, "seed of unseeded requests' sampling (and of dummy weights)")
@@ -156,17 +162,25 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"one of {DTYPES}")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
-               f"one of {KV_CACHE_DTYPES}")
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
-               "a power of two from 1 to 128")
+        _check(
+            self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {KV_CACHE_DTYPES}"
+        )
+        _check(
+            self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+            "block_size",
+            self.block_size,
+            "a power of two from 1 to 128",
+        )
         _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, ">= 1")
-        _check(self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
-               "max_num_batched_tokens", self.max_num_batched_tokens, ">= 1")
+        _check(
+            self.max_num_batched_tokens is None or self.max_num_batched_tokens >= 1,
+            "max_num_batched_tokens",
+            self.max_num_batched_tokens,
+            ">= 1",
+        )
         _check(self.max_model_len is None or self.max_model_len >= 1, "max_model_len", self.max_model_len, ">= 1")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, ">= 1")
-        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization,
-               "in (0, 1]")
+        _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
 
     @property
@@ -219,8 +233,10 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     blocks = config.budgeted_kv_blocks(model)
     if blocks is not None and wanted > blocks * config.block_size:
         if config.max_model_len is not None:
-            raise ValueError(f"max_model_len={config.max_model_len} is invalid: the KV cache holds only "
-                             f"{blocks * config.block_size} tokens ({blocks} blocks of {config.block_size})")
+            raise ValueError(
+                f"max_model_len={config.max_model_len} is invalid: the KV cache holds only "
+                f"{blocks * config.block_size} tokens ({blocks} blocks of {config.block_size})"
+            )
         wanted = blocks * config.block_size
     return wanted
 

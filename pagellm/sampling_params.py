@@ -64,24 +64,37 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("seed", self.seed is None or isinstance(self.seed, int), "an integer or None"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
-             "an integer >= 1 or None"),
+            (
+                "max_tokens",
+                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                "an integer >= 1 or None",
+            ),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "an integer >= 0"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-             "None or an integer in [0, 20]"),
-            ("prompt_logprobs", self.prompt_logprobs is None
-             or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-             "None or an integer in [0, 20]"),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+                "None or an integer in [0, 20]",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
+                "None or an integer in [0, 20]",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-             "a list of non-negative token ids"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "a list of non-negative token ids",
+            ),
         ]
         for name, ok, allowed in checks:
             if not ok:
                 raise invalid_value(name, getattr(self, name), allowed)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise InvalidParameter("min_tokens", f"min_tokens={self.min_tokens} is invalid: "
-                                                 f"must be <= max_tokens={self.max_tokens}")
+            raise InvalidParameter(
+                "min_tokens", f"min_tokens={self.min_tokens} is invalid: must be <= max_tokens={self.max_tokens}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -47,19 +47,23 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
         if not self.hf.chat_template:
-            raise InvalidParameter("messages", "messages: this model's tokenizer has no chat template; "
-                                               "send a plain prompt instead")
+            raise InvalidParameter(
+                "messages", "messages: this model's tokenizer has no chat template; send a plain prompt instead"
+            )
         try:
-            return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                               **kwargs)
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+            )
         except TemplateError as exc:
             raise InvalidParameter("messages", f"messages: the chat template rejected them: {exc}") from exc
 
-    def chat_prompt_ids(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                        **kwargs: Any) -> list[int]:
+    def chat_prompt_ids(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
         # The template already wrote the special tokens (BOS and role markers): add none.
         return self.hf.encode(text, add_special_tokens=False)

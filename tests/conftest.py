@@ -48,8 +48,9 @@ def hf_smollm2(smollm2_gguf):
     """HF transformers loading the same GGUF file: the independent oracle."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name,
-                                                 dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name, dtype=torch.float32
+    )
     return model.eval()
 
 
@@ -58,13 +59,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     treated as an ordinary token (as pagellm's ignore_eos does)."""
     model.generation_config.eos_token_id = None  # generate() would fall back to the model's EOS otherwise
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids) :].tolist()
 
 
-TINY_SHAPES = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+TINY_SHAPES = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+)
 
 
 def make_tiny_model(tmp_path_factory, arch: str, **overrides) -> Path:

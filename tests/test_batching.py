@@ -8,20 +8,39 @@ import random
 from pagellm import LLM, SamplingParams
 from tests.conftest import hf_greedy
 
-SHARED_PREFIX = ("You are a careful assistant. Answer briefly and precisely, and never make things up. "
-                 "Here is the question:")
-QUESTIONS = ["Why is the sky blue?", "Name a prime number.", "What do bees make?", "Who wrote Hamlet?",
-             "What is 2+2?", "Describe a cat.", "Where is Tokyo?", "What is water made of?"]
+SHARED_PREFIX = (
+    "You are a careful assistant. Answer briefly and precisely, and never make things up. Here is the question:"
+)
+QUESTIONS = [
+    "Why is the sky blue?",
+    "Name a prime number.",
+    "What do bees make?",
+    "Who wrote Hamlet?",
+    "What is 2+2?",
+    "Describe a cat.",
+    "Where is Tokyo?",
+    "What is water made of?",
+]
 
 
 def test_stress_matches_hf(smollm2_gguf, hf_smollm2):
     rng = random.Random(0)
     prompts = [f"{SHARED_PREFIX} {q}" for q in QUESTIONS]  # long shared prefix: prefix-cache hits
-    prompts += [" ".join(rng.choice(["alpha", "beta", "gamma", "delta", "story", "river"])
-                         for _ in range(rng.randint(1, 60))) for _ in range(16)]  # mixed lengths
+    prompts += [
+        " ".join(rng.choice(["alpha", "beta", "gamma", "delta", "story", "river"]) for _ in range(rng.randint(1, 60)))
+        for _ in range(16)
+    ]  # mixed lengths
     max_tokens = [rng.randint(4, 20) for _ in prompts]
-    llm = LLM(str(smollm2_gguf), device="cpu", dtype="float32", num_kv_blocks=24, block_size=16,
-              max_num_batched_tokens=64, max_num_seqs=16, quiet=True)
+    llm = LLM(
+        str(smollm2_gguf),
+        device="cpu",
+        dtype="float32",
+        num_kv_blocks=24,
+        block_size=16,
+        max_num_batched_tokens=64,
+        max_num_seqs=16,
+        quiet=True,
+    )
     engine = llm.engine
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -49,11 +68,12 @@ def test_prefix_hit_reported_and_identical(smollm2_llm):
 def test_async_scheduling_changes_nothing_but_timing(tiny_llama_dir, monkeypatch):
     """Launching decode steps before the previous tokens are back gives the same tokens as waiting for them:
     greedy, seeded top-p, a stop token that ends requests while their next step is in flight, and max_tokens."""
-    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=33, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=9, max_tokens=50, stop_token_ids=list(range(0, 500, 9)),
-                             ignore_eos=True),
-              SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=3, ignore_eos=True)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=33, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=9, max_tokens=50, stop_token_ids=list(range(0, 500, 9)), ignore_eos=True),
+        SamplingParams(temperature=0.7, top_k=20, seed=1, max_tokens=3, ignore_eos=True),
+    ]
     rng = random.Random(0)
     prompts = [[rng.randrange(500) for _ in range(rng.randrange(2, 40))] for _ in range(12)]
     work = [(p, params[i % len(params)]) for i, p in enumerate(prompts)]

@@ -18,11 +18,29 @@ def test_every_option_is_a_flag_with_the_config_default(command):
 
 
 def test_flags_set_their_fields():
-    args = build_parser().parse_args(["serve", "--max-num-seqs", "3", "--no-async-scheduling", "--no-prefix-caching",
-                                      "--enforce-eager", "--kv-cache-dtype", "int8", "--gpu-memory-utilization", "0.5"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "--max-num-seqs",
+            "3",
+            "--no-async-scheduling",
+            "--no-prefix-caching",
+            "--enforce-eager",
+            "--kv-cache-dtype",
+            "int8",
+            "--gpu-memory-utilization",
+            "0.5",
+        ]
+    )
     config = EngineConfig(**engine_kwargs(args))
-    assert (config.max_num_seqs, config.async_scheduling, config.enable_prefix_caching, config.enforce_eager,
-            config.kv_cache_dtype, config.gpu_memory_utilization) == (3, False, False, True, "int8", 0.5)
+    assert (
+        config.max_num_seqs,
+        config.async_scheduling,
+        config.enable_prefix_caching,
+        config.enforce_eager,
+        config.kv_cache_dtype,
+        config.gpu_memory_utilization,
+    ) == (3, False, False, True, "int8", 0.5)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])  # argparse names the choices
 

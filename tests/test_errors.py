@@ -7,20 +7,23 @@ import pytest
 from pagellm import LLM, SamplingParams
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"max_tokens": -1}, "max_tokens"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"top_p": 0}, "top_p"),
-    ({"temperature": -0.5}, "temperature"),
-    ({"top_k": -5}, "top_k"),
-    ({"n": 0}, "n"),
-    ({"min_p": 1.5}, "min_p"),
-    ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"presence_penalty": 3}, "presence_penalty"),
-    ({"logprobs": 100}, "logprobs"),
-    ({"stop": [""]}, "stop"),
-    ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_p": 0}, "top_p"),
+        ({"temperature": -0.5}, "temperature"),
+        ({"top_k": -5}, "top_k"),
+        ({"n": 0}, "n"),
+        ({"min_p": 1.5}, "min_p"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logprobs": 100}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 10, "max_tokens": 5}, "min_tokens"),
+    ],
+)
 def test_bad_sampling_params_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
@@ -84,13 +87,16 @@ def test_unknown_hub_id_offline(monkeypatch, tmp_path):
         LLM("nobody/nothing", device="cpu", quiet=True)
 
 
-@pytest.mark.parametrize("kwargs,field", [
-    ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype"),
-    ({"block_size": 3}, "block_size"),
-    ({"dtype": "int3"}, "dtype"),
-    ({"load_format": "pickle"}, "load_format"),
-    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
-])
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"kv_cache_dtype": "fp4"}, "kv_cache_dtype"),
+        ({"block_size": 3}, "block_size"),
+        ({"dtype": "int3"}, "dtype"),
+        ({"load_format": "pickle"}, "load_format"),
+        ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization"),
+    ],
+)
 def test_bad_engine_args(kwargs, field, tiny_llama_dir):
     with pytest.raises(ValueError, match=field):
         LLM(str(tiny_llama_dir), device="cpu", quiet=True, **kwargs)

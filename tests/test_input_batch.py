@@ -18,8 +18,9 @@ def sampling(draw_index: int = 0) -> SamplingRow:
 
 
 def test_decodes_first_then_chunks_with_slots_positions_and_tables():
-    chunk = StepRow("chunk", start=2, num_tokens=5, token_ids=[10, 11, 12, 13, 14], block_ids=[7, 3],
-                    sampling=sampling())
+    chunk = StepRow(
+        "chunk", start=2, num_tokens=5, token_ids=[10, 11, 12, 13, 14], block_ids=[7, 3], sampling=sampling()
+    )
     decode = StepRow("decode", start=9, num_tokens=1, token_ids=[20], block_ids=[5, 6, 1], sampling=sampling(3))
     middle = StepRow("middle", start=0, num_tokens=3, token_ids=[30, 31, 32], block_ids=[2])  # samples nothing
     batch = build_host_batch(SchedulerOutput([chunk, decode, middle]), BLOCK)
@@ -27,8 +28,17 @@ def test_decodes_first_then_chunks_with_slots_positions_and_tables():
     assert batch.input_ids.tolist() == [20, 10, 11, 12, 13, 14, 30, 31, 32]
     assert batch.positions.tolist() == [9, 2, 3, 4, 5, 6, 0, 1, 2]
     # slot = block_ids[pos // 4] * 4 + pos % 4
-    assert batch.slot_mapping.tolist() == [1 * 4 + 1, 7 * 4 + 2, 7 * 4 + 3, 3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2,
-                                           2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2]
+    assert batch.slot_mapping.tolist() == [
+        1 * 4 + 1,
+        7 * 4 + 2,
+        7 * 4 + 3,
+        3 * 4 + 0,
+        3 * 4 + 1,
+        3 * 4 + 2,
+        2 * 4 + 0,
+        2 * 4 + 1,
+        2 * 4 + 2,
+    ]
     assert batch.query_start_loc.tolist() == [0, 1, 6, 9]
     assert batch.seq_lens.tolist() == [10, 7, 3]
     assert batch.block_tables.tolist() == [[5, 6, 1], [7, 3, 0], [2, 0, 0]]  # zero-padded
@@ -39,10 +49,18 @@ def test_decodes_first_then_chunks_with_slots_positions_and_tables():
 
 
 def test_prompt_logprob_rows_follow_the_sampling_rows():
-    row = StepRow("p", start=0, num_tokens=4, token_ids=[1, 2, 3, 4], block_ids=[0],
-                  sampling=sampling(), prompt_scoring=PromptScoring(2, [2, 3, 4]))
-    other = StepRow("q", start=3, num_tokens=2, token_ids=[8, 9], block_ids=[1, 2],
-                    prompt_scoring=PromptScoring(1, [9]))
+    row = StepRow(
+        "p",
+        start=0,
+        num_tokens=4,
+        token_ids=[1, 2, 3, 4],
+        block_ids=[0],
+        sampling=sampling(),
+        prompt_scoring=PromptScoring(2, [2, 3, 4]),
+    )
+    other = StepRow(
+        "q", start=3, num_tokens=2, token_ids=[8, 9], block_ids=[1, 2], prompt_scoring=PromptScoring(1, [9])
+    )
     batch = build_host_batch(SchedulerOutput([row, other]), BLOCK)
     assert batch.logits_indices.tolist() == [3, 0, 1, 2, 4]
     (p, q) = batch.prompt_logprob_rows
@@ -51,8 +69,9 @@ def test_prompt_logprob_rows_follow_the_sampling_rows():
 
 
 def test_pending_inputs_are_placeholders_and_must_lead():
-    pending = [StepRow(rid, start=6, num_tokens=1, token_ids=[], block_ids=[0, 1], sampling=sampling(1))
-               for rid in ("a", "b")]
+    pending = [
+        StepRow(rid, start=6, num_tokens=1, token_ids=[], block_ids=[0, 1], sampling=sampling(1)) for rid in ("a", "b")
+    ]
     batch = build_host_batch(SchedulerOutput(pending), BLOCK)
     assert batch.is_decode_only and batch.pending_ids == ["a", "b"] and batch.input_ids.tolist() == [0, 0]
     known = StepRow("c", start=6, num_tokens=1, token_ids=[5], block_ids=[0, 1], sampling=sampling(1))

@@ -30,10 +30,14 @@ def test_smollm2_greedy_matches_hf(smollm2_llm, hf_smollm2):
 
 
 def test_smollm2_chat_template_and_answer(smollm2_llm):
-    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                           SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0]
+    out = smollm2_llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+        use_tqdm=False,
+    )[0]
     expected = smollm2_llm.tokenizer.hf.apply_chat_template(
-        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True)
+        [{"role": "user", "content": "What is the capital of France?"}], tokenize=False, add_generation_prompt=True
+    )
     assert smollm2_llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == expected
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ends on <|im_end|>
@@ -41,8 +45,9 @@ def test_smollm2_chat_template_and_answer(smollm2_llm):
 
 def test_smollm2_prompt_logprobs_match_hf(smollm2_llm, hf_smollm2):
     prompt = "The quick brown fox jumps over the lazy dog because it was"
-    out = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3),
-                               use_tqdm=False)[0]
+    out = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3), use_tqdm=False)[
+        0
+    ]
     ids = out.prompt_token_ids
     with torch.no_grad():
         ref = torch.log_softmax(hf_smollm2(torch.tensor([ids])).logits[0].float(), dim=-1)
@@ -58,8 +63,18 @@ def test_smollm2_prompt_logprobs_match_hf(smollm2_llm, hf_smollm2):
 
 FAMILIES = [
     ("Llama", {}),
-    ("Llama", {"rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    (
+        "Llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     ("Llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}, "tie_word_embeddings": True}),
     ("Mistral", {"sliding_window": None}),
     ("Qwen2", {}),
@@ -67,8 +82,9 @@ FAMILIES = [
 ]
 
 
-@pytest.mark.parametrize("arch,overrides", FAMILIES, ids=["llama", "llama3-rope", "linear-rope-tied", "mistral",
-                                                          "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    "arch,overrides", FAMILIES, ids=["llama", "llama3-rope", "linear-rope-tied", "mistral", "qwen2", "qwen3"]
+)
 def test_random_weight_families_match_hf(tmp_path_factory, arch, overrides):
     from transformers import AutoModelForCausalLM
 

@@ -27,8 +27,11 @@ def test_paged_attention_matches_dense(kv_dtype, heads, kv_heads):
     seqs = [(1, 1), (3, 9), (5, 5), (1, 17), (16, 16)]  # (query_len, seq_len)
     key_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=kv_dtype)
     value_cache = torch.zeros_like(key_cache)
-    scales = (torch.zeros(num_blocks, block_size, kv_heads), torch.zeros(num_blocks, block_size, kv_heads)) \
-        if kv_dtype == torch.int8 else (None, None)
+    scales = (
+        (torch.zeros(num_blocks, block_size, kv_heads), torch.zeros(num_blocks, block_size, kv_heads))
+        if kv_dtype == torch.int8
+        else (None, None)
+    )
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     tables, qs, expected = [], [], []
     for q_len, s_len in seqs:
@@ -44,11 +47,20 @@ def test_paged_attention_matches_dense(kv_dtype, heads, kv_heads):
             v = reference.gather_kv(value_cache, scales[1], slots[None], torch.float32)[0]
         q = torch.randn(q_len, heads, dim, generator=gen)
         qs.append(q)
-        expected.append(dense_attention(q, k, v, dim ** -0.5))
+        expected.append(dense_attention(q, k, v, dim**-0.5))
     qsl = torch.tensor([0] + [q for q, _ in seqs]).cumsum(0).to(torch.int32)
-    out = reference.paged_attention(torch.cat(qs), key_cache, value_cache, torch.tensor(tables, dtype=torch.int32),
-                                    qsl, torch.tensor([s for _, s in seqs], dtype=torch.int32), dim ** -0.5,
-                                    max(q for q, _ in seqs), max(s for _, s in seqs), *scales)
+    out = reference.paged_attention(
+        torch.cat(qs),
+        key_cache,
+        value_cache,
+        torch.tensor(tables, dtype=torch.int32),
+        qsl,
+        torch.tensor([s for _, s in seqs], dtype=torch.int32),
+        dim**-0.5,
+        max(q for q, _ in seqs),
+        max(s for _, s in seqs),
+        *scales,
+    )
     assert torch.allclose(out.double(), torch.cat(expected), atol=1e-5)
 
 

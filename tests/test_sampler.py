@@ -93,8 +93,9 @@ def test_seed_reproduces_whatever_the_batch(tiny_llama_dir):
 
 def test_n_gives_n_distinct_samples(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
-    out = llm.generate([[1, 2, 3]], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True),
-                       use_tqdm=False)[0]
+    out = llm.generate(
+        [[1, 2, 3]], SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True), use_tqdm=False
+    )[0]
     assert [c.index for c in out.outputs] == [0, 1, 2, 3]
     assert all(len(c.token_ids) == 12 for c in out.outputs)
     assert len({tuple(c.token_ids) for c in out.outputs}) > 1
@@ -105,16 +106,18 @@ def test_stop_string_and_stop_token(smollm2_llm):
     prompt = "Once upon a time"
     full = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)[0].outputs[0]
     stop = full.text[30:36]
-    cut = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]),
-                               use_tqdm=False)[0].outputs[0]
-    assert cut.text == full.text[:full.text.index(stop)]
+    cut = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[
+        0
+    ].outputs[0]
+    assert cut.text == full.text[: full.text.index(stop)]
     assert (cut.finish_reason, cut.stop_reason) == ("stop", stop)
 
     stop_token = full.token_ids[10]
     first = full.token_ids.index(stop_token)
-    by_token = smollm2_llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_token]),
-                                    use_tqdm=False)[0].outputs[0]
-    assert by_token.token_ids == full.token_ids[:first + 1]
+    by_token = smollm2_llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_token]), use_tqdm=False
+    )[0].outputs[0]
+    assert by_token.token_ids == full.token_ids[: first + 1]
     assert (by_token.finish_reason, by_token.stop_reason) == ("stop", stop_token)
 
 
@@ -123,14 +126,16 @@ def test_min_tokens_blocks_eos(smollm2_llm):
     short = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0].outputs[0]
     assert short.finish_reason == "stop"
     n = len(short.token_ids) + 5
-    longer = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, min_tokens=n),
-                              use_tqdm=False)[0].outputs[0]
+    longer = smollm2_llm.chat(chat, SamplingParams(temperature=0, max_tokens=64, min_tokens=n), use_tqdm=False)[
+        0
+    ].outputs[0]
     assert len(longer.token_ids) >= n
 
 
 def test_logprobs_are_raw_model_logprobs(smollm2_llm):
-    out = smollm2_llm.generate("The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3),
-                               use_tqdm=False)[0].outputs[0]
+    out = smollm2_llm.generate(
+        "The capital of France is", SamplingParams(temperature=0, max_tokens=4, logprobs=3), use_tqdm=False
+    )[0].outputs[0]
     assert len(out.logprobs) == 4
     for token, position in zip(out.token_ids, out.logprobs):
         assert position[token].rank == 1  # greedy picks the top token

@@ -14,13 +14,15 @@ from pagellm.sampling_params import SamplingParams
 BLOCK = 4
 
 
-def make_scheduler(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32,
-                   prefix_caching: bool = True) -> Scheduler:
+def make_scheduler(
+    num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 32, prefix_caching: bool = True
+) -> Scheduler:
     return Scheduler(KVCacheManager(num_blocks, BLOCK, prefix_caching), max_num_seqs, budget)
 
 
-def add(sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, first_token: int | None = None,
-        **params) -> Request:
+def add(
+    sched: Scheduler, rid: str, prompt_len: int, max_tokens: int = 8, first_token: int | None = None, **params
+) -> Request:
     """A request whose prompt counts up from `first_token` (by default one of its own: no prefix hits)."""
     first = 1000 * len(sched.requests) + 1000 if first_token is None else first_token
     request = Request(rid, list(range(first, first + prompt_len)), SamplingParams(**params), max_tokens)

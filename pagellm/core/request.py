@@ -19,8 +19,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
-                        RequestStatus.FINISHED_ABORTED)
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
 @dataclass(eq=False)
@@ -56,8 +55,8 @@ class Request:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len:end - prompt_len]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     @property
     def num_tokens(self) -> int:

@@ -100,11 +100,16 @@ def make_row(request: Request, num_tokens: int) -> StepRow:
         token_ids = request.token_slice(start, end)
     row = StepRow(request.request_id, start, num_tokens, token_ids, request.block_ids)
     if end == request.num_tokens + request.num_pending_tokens:  # caught up: the last position's logits sample
-        row.sampling = SamplingRow(request.sampling_params, len(request.output_token_ids) + request.num_pending_tokens,
-                                   request.prompt_token_ids, request.output_token_ids)
+        row.sampling = SamplingRow(
+            request.sampling_params,
+            len(request.output_token_ids) + request.num_pending_tokens,
+            request.prompt_token_ids,
+            request.output_token_ids,
+        )
     num_prompt = request.num_prompt_tokens
     if request.wants_prompt_logprobs and start < num_prompt - 1:
         last = min(end, num_prompt - 1)  # positions start..last-1 predict prompt tokens start+1..last
-        row.prompt_scoring = PromptScoring(request.sampling_params.prompt_logprobs,
-                                           request.prompt_token_ids[start + 1:last + 1])
+        row.prompt_scoring = PromptScoring(
+            request.sampling_params.prompt_logprobs, request.prompt_token_ids[start + 1 : last + 1]
+        )
     return row

@@ -81,8 +81,9 @@ class AsyncLLM:
 
     # ---- caller side ----------------------------------------------------------------------------------------
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the RequestOutputs of one request (all its n samples) until it finishes; leaving early aborts
         it. Bad input raises InvalidParameter at the first iteration, before anything is queued."""
         if self.error is not None:

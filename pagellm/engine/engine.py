@@ -53,12 +53,23 @@ class Engine:
         with self._phase("kv_cache_and_cuda_graphs"):
             self.runner.allocate_kv_cache(num_blocks)
         if not config.quiet:
-            logger.info("KV cache: %d blocks of %d tokens; start-up %s", num_blocks, config.block_size,
-                        ", ".join(f"{name} {secs:.1f} s" for name, secs in self.startup_seconds.items()))
-        self.scheduler = Scheduler(KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
-                                   config.max_num_seqs, config.token_budget)
-        self.input_processor = InputProcessor(self.tokenizer, self.model_config, self.max_model_len,
-                                              eos_token_ids(self.model_dir, self.model_config, self.tokenizer))
+            logger.info(
+                "KV cache: %d blocks of %d tokens; start-up %s",
+                num_blocks,
+                config.block_size,
+                ", ".join(f"{name} {secs:.1f} s" for name, secs in self.startup_seconds.items()),
+            )
+        self.scheduler = Scheduler(
+            KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
+            config.max_num_seqs,
+            config.token_budget,
+        )
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.model_config,
+            self.max_model_len,
+            eos_token_ids(self.model_dir, self.model_config, self.tokenizer),
+        )
         self.output_processor = OutputProcessor(self.tokenizer)
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
@@ -68,8 +79,9 @@ class Engine:
 
     # ---- requests in ----------------------------------------------------------------------------------------
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
         """Validate and queue a request (n samples of it when params.n > 1). Raises InvalidParameter (a
         ValueError), queueing nothing, on bad input."""
         request_id = request_id or str(next(self._ids))
@@ -82,8 +94,9 @@ class Engine:
         """Queue a request validated by `input_processor` (possibly on another thread)."""
         self.output_processor.add_request(processed)
         for sample in processed.samples:
-            self.scheduler.add_request(Request(sample.request_id, processed.prompt_token_ids, sample.params,
-                                               sample.max_tokens))
+            self.scheduler.add_request(
+                Request(sample.request_id, processed.prompt_token_ids, sample.params, sample.max_tokens)
+            )
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request at once and free its blocks. Unknown or finished ids are ignored."""
@@ -121,8 +134,9 @@ class Engine:
         return _InFlight(step, self.runner.launch(step))
 
     def stats(self) -> EngineStats:
-        return EngineStats(**vars(self.scheduler.stats()),
-                           generation_tokens_total=self.output_processor.generation_tokens_total)
+        return EngineStats(
+            **vars(self.scheduler.stats()), generation_tokens_total=self.output_processor.generation_tokens_total
+        )
 
 
 @dataclass

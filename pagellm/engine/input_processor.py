@@ -36,8 +36,9 @@ class ProcessedRequest:
 
 
 class InputProcessor:
-    def __init__(self, tokenizer: Tokenizer | None, model_config: ModelConfig, max_model_len: int,
-                 eos_token_ids: set[int]) -> None:
+    def __init__(
+        self, tokenizer: Tokenizer | None, model_config: ModelConfig, max_model_len: int, eos_token_ids: set[int]
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
@@ -57,16 +58,21 @@ class InputProcessor:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidParameter("prompt", f"prompt: token ids must be integers in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise InvalidParameter("prompt", f"prompt: {len(ids)} tokens is too long: max_model_len="
-                                             f"{self.max_model_len} must leave room for at least one output token")
+            raise InvalidParameter(
+                "prompt",
+                f"prompt: {len(ids)} tokens is too long: max_model_len="
+                f"{self.max_model_len} must leave room for at least one output token",
+            )
         return ids
 
     def process(self, prompt: str | list[int], params: SamplingParams | None, request_id: str) -> ProcessedRequest:
         """Validate a request and fan it out into its n samples. The caller's `params` is left as it was: each
         sample gets its own copy, with the model's EOS ids as stop tokens unless ignore_eos."""
         ids = self.tokenize(prompt)
-        params = replace(params or SamplingParams(),
-                         all_stop_token_ids=set() if (params and params.ignore_eos) else set(self.eos_token_ids))
+        params = replace(
+            params or SamplingParams(),
+            all_stop_token_ids=set() if (params and params.ignore_eos) else set(self.eos_token_ids),
+        )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         if params.n == 1:

@@ -62,7 +62,7 @@ class KVCacheManager:
         hits: list[int] = []
         for i in range(max_blocks):
             block_id = self._cached.get(request.block_hashes[i])
-            chunk = tuple(tokens[i * self.block_size:(i + 1) * self.block_size])
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
             if block_id is None or self._blocks[block_id].token_ids != chunk:
                 break
             hits.append(block_id)

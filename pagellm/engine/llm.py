@@ -25,17 +25,21 @@ class LLM:
     def __init__(self, model: str | None = None, **options: Any) -> None:
         unknown = sorted(set(options) - set(engine_option_names()))
         if unknown:
-            raise InvalidParameter(unknown[0], f"{unknown[0]}: not an engine option; the options are "
-                                               f"{', '.join(engine_option_names())}")
+            raise InvalidParameter(
+                unknown[0], f"{unknown[0]}: not an engine option; the options are {', '.join(engine_option_names())}"
+            )
         self.engine = Engine(EngineConfig(model=model, **options))
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of the prompts."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
@@ -43,17 +47,25 @@ class LLM:
             self.engine.input_processor.tokenize(prompt)
         return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
 
-    def chat(self, messages: Messages | Sequence[Messages],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict[str, Any] | None = None,
-             ) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def chat_prompt_ids(self, conversation: Messages, add_generation_prompt: bool = True,
-                        chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+    def chat_prompt_ids(
+        self,
+        conversation: Messages,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
         _check_messages(conversation)
         if self.tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
@@ -101,8 +113,9 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n:
         return [params] * n
     params = list(params)
     if len(params) != n:
-        raise InvalidParameter("sampling_params",
-                               f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt")
+        raise InvalidParameter(
+            "sampling_params", f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt"
+        )
     return params
 
 

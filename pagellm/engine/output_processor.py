@@ -58,11 +58,15 @@ class OutputProcessor:
 
     def add_request(self, processed: ProcessedRequest) -> None:
         first = processed.samples[0].params
-        state = _Request(processed.request_id, processed.prompt, processed.prompt_token_ids,
-                         [self._new_sample(processed, s) for s in processed.samples],
-                         RequestMetrics(arrival_time=processed.arrival_time),
-                         final_only=first.output_kind == RequestOutputKind.FINAL_ONLY,
-                         prompt_logprobs=None if first.prompt_logprobs is None else [None])
+        state = _Request(
+            processed.request_id,
+            processed.prompt,
+            processed.prompt_token_ids,
+            [self._new_sample(processed, s) for s in processed.samples],
+            RequestMetrics(arrival_time=processed.arrival_time),
+            final_only=first.output_kind == RequestOutputKind.FINAL_ONLY,
+            prompt_logprobs=None if first.prompt_logprobs is None else [None],
+        )
         self._requests[state.request_id] = state
         for sample in state.samples:
             self._samples[sample.request_id] = (state, sample)
@@ -70,10 +74,16 @@ class OutputProcessor:
     def _new_sample(self, processed: ProcessedRequest, sample: SampleRequest) -> _Sample:
         detokenizer = None
         if self.tokenizer is not None:
-            detokenizer = IncrementalDetokenizer(self.tokenizer, processed.prompt_token_ids,
-                                                 sample.params.skip_special_tokens)
-        return _Sample(sample.request_id, sample.index, sample.params, detokenizer,
-                       logprobs=None if sample.params.logprobs is None else [])
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer, processed.prompt_token_ids, sample.params.skip_special_tokens
+            )
+        return _Sample(
+            sample.request_id,
+            sample.index,
+            sample.params,
+            detokenizer,
+            logprobs=None if sample.params.logprobs is None else [],
+        )
 
     def abort(self, request_id: str) -> tuple[list[str], RequestOutput | None]:
         """Forget a request: the ids of its samples still running (for the scheduler to stop), and its final
@@ -184,7 +194,7 @@ class OutputProcessor:
 def _completion(sample: _Sample) -> CompletionOutput:
     text = sample.text
     if sample.finish_reason is None and sample.params.stop:
-        text = text[:len(text) - _stop_prefix_len(text, sample.params.stop)]
+        text = text[: len(text) - _stop_prefix_len(text, sample.params.stop)]
     return CompletionOutput(
         index=sample.index,
         text=text,
@@ -204,7 +214,7 @@ def _truncate_at_stop_string(sample: _Sample, new_chars: int) -> str | None:
         # Only a stop string overlapping the newly added text can be new.
         idx = text.find(stop, max(0, len(text) - new_chars - len(stop) + 1))
         if idx != -1:
-            sample.text = text[:idx + len(stop) if params.include_stop_str_in_output else idx]
+            sample.text = text[: idx + len(stop) if params.include_stop_str_in_output else idx]
             return stop
     return None
 

@@ -76,8 +76,12 @@ class Scheduler:
         instead. Requests that reach max_tokens with the token in flight stop there. None when that is not so,
         or when the pool is short or the budget too small (the regular schedule decides then, nothing preempted)."""
         rows = current.rows
-        if (not current.is_decode_only or len(rows) != len(self.running) or any(r.sampling is None for r in rows)
-                or (self.waiting and len(self.running) < self.max_num_seqs)):
+        if (
+            not current.is_decode_only
+            or len(rows) != len(self.running)
+            or any(r.sampling is None for r in rows)
+            or (self.waiting and len(self.running) < self.max_num_seqs)
+        ):
             return None
         in_current = {row.request_id for row in rows}
         if any(r.request_id not in in_current or r.needs_host_tokens for r in self.running):
@@ -167,9 +171,12 @@ class Scheduler:
             prompt_scores = result.prompt_logprobs.get(row.request_id)
             if sampled is None and prompt_scores is None:
                 continue
-            update = RequestUpdate(row.request_id, prompt_scores=prompt_scores,
-                                   num_cached_tokens=request.num_cached_tokens,
-                                   first_scheduled_time=request.first_scheduled_time)
+            update = RequestUpdate(
+                row.request_id,
+                prompt_scores=prompt_scores,
+                num_cached_tokens=request.num_cached_tokens,
+                first_scheduled_time=request.first_scheduled_time,
+            )
             if sampled is not None:
                 update.new_token_id, update.score = sampled
                 self._append_token(request, update)
@@ -181,7 +188,8 @@ class Scheduler:
         request.output_token_ids.append(token)
         params = request.sampling_params
         if len(request.output_token_ids) >= params.min_tokens and (
-                token in params.all_stop_token_ids or token in params.stop_token_ids):
+            token in params.all_stop_token_ids or token in params.stop_token_ids
+        ):
             update.finish_reason = RequestStatus.FINISHED_STOPPED.value
             update.stop_reason = None if token in params.all_stop_token_ids else token
             self._finish(request, RequestStatus.FINISHED_STOPPED)
@@ -200,5 +208,13 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache
-        return SchedulerStats(len(self.running), len(self.waiting), kv.usage, kv.num_free_blocks, kv.num_blocks,
-                              self.num_preemptions, kv.stats.queries, kv.stats.hits)
+        return SchedulerStats(
+            len(self.running),
+            len(self.waiting),
+            kv.usage,
+            kv.num_free_blocks,
+            kv.num_blocks,
+            self.num_preemptions,
+            kv.stats.queries,
+            kv.stats.hits,
+        )

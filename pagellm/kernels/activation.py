@@ -28,6 +28,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n_cols = width // 2
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, BLOCK))](x, out, x.stride(0), out.stride(0), n_cols,
-                                                                 BLOCK=BLOCK)
+        _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, BLOCK))](
+            x, out, x.stride(0), out.stride(0), n_cols, BLOCK=BLOCK
+        )
     return out

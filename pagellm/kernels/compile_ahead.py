@@ -57,8 +57,12 @@ def compile_ahead(workers: int | None = None) -> Iterator[Compilation]:
     if pending:
         # One driver thread, so that the caller's thread is free; torch's current device is per thread.
         driver = ThreadPoolExecutor(1, thread_name_prefix="compile_ahead")
-        compilation._done = driver.submit(_compile_and_load, list(pending.values()), torch.cuda.current_device(),
-                                          workers or min(len(pending), os.cpu_count() or 1))
+        compilation._done = driver.submit(
+            _compile_and_load,
+            list(pending.values()),
+            torch.cuda.current_device(),
+            workers or min(len(pending), os.cpu_count() or 1),
+        )
         driver.shutdown(wait=False)
 
 

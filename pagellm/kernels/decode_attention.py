@@ -59,16 +59,47 @@ def split_size_for(max_model_len: int, num_seqs: int, kv_int8: bool, block_size:
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
-def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr,
-                           seq_lens_ptr, part_out_ptr, part_lse_ptr,
-                           stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-                           stride_vd, stride_sb, stride_ss, stride_sh, stride_bt,
-                           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh,
-                           sm_scale, split_size,
-                           GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr,
-                           BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                           KV_INT8: tl.constexpr, IEEE: tl.constexpr, ASM_CVT: tl.constexpr,
-                           INT8_DOT: tl.constexpr):
+def _decode_partial_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_bt,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    sm_scale,
+    split_size,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    IEEE: tl.constexpr,
+    ASM_CVT: tl.constexpr,
+    INT8_DOT: tl.constexpr,
+):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,8 +114,11 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
     g_mask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+        mask=g_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     if INT8_DOT:
         q_hi, q_lo, q_scale = split_query_int8(q, sm_scale)
     q = query_operand(q, sm_scale, KV_INT8)  # with INT8_DOT only its dtype is used: the one values convert to
@@ -94,10 +128,35 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
         k, v, k_scale, v_scale = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, end, d,
-            d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT,
-            CONVERT_K=not INT8_DOT)
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            block_tables_ptr,
+            seq,
+            kv_head,
+            n0,
+            end,
+            d,
+            d_mask,
+            stride_bt,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            stride_sb,
+            stride_ss,
+            stride_sh,
+            q.dtype,
+            BLOCK_N,
+            BLOCK_SIZE,
+            KV_INT8,
+            ASM_CVT,
+            CONVERT_K=not INT8_DOT,
+        )
         if INT8_DOT:
             s = int8_tile_scores(q_hi, q_lo, q_scale, k, k_scale)
         else:
@@ -117,9 +176,23 @@ def _decode_partial_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale
 
 
 @triton.jit
-def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stride_pb, stride_ph, stride_ps,
-                         stride_lb, stride_lh, stride_ot, stride_oh, split_size,
-                         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+def _decode_merge_kernel(
+    part_out_ptr,
+    part_lse_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_lb,
+    stride_lh,
+    stride_ot,
+    stride_oh,
+    split_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
     # All splits in one tile (BLOCK_S >= the grid's splits): one round of loads, not a loop of dependent ones.
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -129,19 +202,33 @@ def _decode_merge_kernel(part_out_ptr, part_lse_ptr, seq_lens_ptr, out_ptr, stri
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
     lse = tl.load(part_lse_ptr + seq * stride_lb + head * stride_lh + splits, mask=s_mask, other=float("-inf"))
-    o = tl.load(part_out_ptr + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + d[None, :],
-                mask=s_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.load(
+        part_out_ptr + seq * stride_pb + head * stride_ph + splits[:, None] * stride_ps + d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     w = tl.exp(lse - tl.max(lse, axis=0))
     total = tl.sum(w, axis=0)
     out = tl.sum(o * w[:, None], axis=0) / total
     tl.store(out_ptr + seq * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_mask)
 
 
-def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                           split_size: int, key_scale: torch.Tensor | None = None,
-                           value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                           block_n: int | None = None, num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+def paged_decode_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    split_size: int,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) over paged K/V; returns [B, H, D]. The grid covers `max_seq_len`
     (pass max_model_len under CUDA-graph capture); splits past a sequence's end exit at once."""
     batch, num_heads, head_dim = q.shape
@@ -161,15 +248,55 @@ def paged_decode_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache
     if split_size <= block_n:
         num_stages = 1  # one tile per program: nothing to pipeline, and a pipeline's prologue costs time
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
-        q, key_cache, value_cache, scales[0], scales[1], block_tables, seq_lens, part_out, part_lse,
-        q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1), scale,
-        split_size, GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim,
-        BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_SIZE=block_size, KV_INT8=kv_int8, IEEE=ieee,
-        ASM_CVT=asm_conversions(q), INT8_DOT=int8_dot, num_warps=num_warps, num_stages=num_stages,
-        maxnreg=INT8_DOT_REGISTERS if int8_dot else None)
+        q,
+        key_cache,
+        value_cache,
+        scales[0],
+        scales[1],
+        block_tables,
+        seq_lens,
+        part_out,
+        part_lse,
+        q.stride(0),
+        q.stride(1),
+        *kv_strides(key_cache, value_cache, key_scale),
+        block_tables.stride(0),
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        scale,
+        split_size,
+        GROUP=group,
+        BLOCK_G=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_N=block_n,
+        BLOCK_SIZE=block_size,
+        KV_INT8=kv_int8,
+        IEEE=ieee,
+        ASM_CVT=asm_conversions(q),
+        INT8_DOT=int8_dot,
+        num_warps=num_warps,
+        num_stages=num_stages,
+        maxnreg=INT8_DOT_REGISTERS if int8_dot else None,
+    )
     _decode_merge_kernel[(batch, num_heads)](
-        part_out, part_lse, seq_lens, out, part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1), out.stride(0), out.stride(1), split_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=triton.next_power_of_2(num_splits))
+        part_out,
+        part_lse,
+        seq_lens,
+        out,
+        part_out.stride(0),
+        part_out.stride(1),
+        part_out.stride(2),
+        part_lse.stride(0),
+        part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
+        split_size,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )
     return out

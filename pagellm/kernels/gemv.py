@@ -21,8 +21,7 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         c_mask = cols < K
-        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :],
-                    other=0.0)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
         x = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_mask)
@@ -41,7 +40,16 @@ def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = gemv_config(n, k)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](x, weight, out, n, k, weight.stride(0), BLOCK_N=block_n,
-                                             BLOCK_K=min(block_k, triton.next_power_of_2(k)), num_warps=warps,
-                                             num_stages=stages)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x,
+        weight,
+        out,
+        n,
+        k,
+        weight.stride(0),
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        num_warps=warps,
+        num_stages=stages,
+    )
     return out

@@ -11,10 +11,33 @@ from pagellm.kernels.paged_kv import kv_strides
 
 
 @triton.jit
-def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs,
-                     stride_vch, stride_vd, stride_sb, stride_ss, stride_sh, block_size, HEAD_DIM: tl.constexpr,
-                     BLOCK_D: tl.constexpr, QUANT: tl.constexpr):
+def _write_kv_kernel(
+    key_ptr,
+    value_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    key_scale_ptr,
+    value_scale_ptr,
+    slot_ptr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_kb,
+    stride_ks,
+    stride_kch,
+    stride_vb,
+    stride_vs,
+    stride_vch,
+    stride_vd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    block_size,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    QUANT: tl.constexpr,
+):
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
@@ -43,9 +66,15 @@ def _write_kv_kernel(key_ptr, value_ptr, key_cache_ptr, value_cache_ptr, key_sca
         tl.store(value_cache_ptr + v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, key_scale: torch.Tensor | None = None,
-             value_scale: torch.Tensor | None = None) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
     """Same contract as `reference.write_kv`: key/value [T, Hkv, D] (last dim contiguous), caches
     [num_blocks, block_size, Hkv, D] (key rows contiguous; values in any layout), scales
     [num_blocks, block_size, Hkv] for int8."""
@@ -56,7 +85,20 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, va
     scale_k = key_scale if quant else key_cache  # unused pointers when not quantizing
     scale_v = value_scale if quant else value_cache
     _write_kv_kernel[(num_tokens, num_heads)](
-        key, value, key_cache, value_cache, scale_k, scale_v, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        *kv_strides(key_cache, value_cache, key_scale if quant else None), key_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), QUANT=quant)
+        key,
+        value,
+        key_cache,
+        value_cache,
+        scale_k,
+        scale_v,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        *kv_strides(key_cache, value_cache, key_scale if quant else None),
+        key_cache.shape[1],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        QUANT=quant,
+    )

@@ -15,19 +15,33 @@ from pagellm.kernels import reference
 class Ops(Protocol):
     name: str
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def rope(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-             q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-             eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def rope(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin_cache: torch.Tensor,
+        q_norm: torch.Tensor | None = None,
+        k_norm: torch.Tensor | None = None,
+        eps: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
-    def sample_rows(self, logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor,
-                    top_p: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor: ...
+    def sample_rows(
+        self,
+        logits: torch.Tensor,
+        inv_temperature: torch.Tensor,
+        greedy: torch.Tensor,
+        top_p: torch.Tensor,
+        seeds: torch.Tensor,
+    ) -> torch.Tensor: ...
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
@@ -70,7 +84,12 @@ class TritonOps:
         from pagellm.kernels import activation, gemv, rmsnorm, rope, sampling
 
         self._activation, self._gemv, self._rmsnorm, self._rope, self._sampling = (
-            activation, gemv, rmsnorm, rope, sampling)
+            activation,
+            gemv,
+            rmsnorm,
+            rope,
+            sampling,
+        )
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._rmsnorm.rms_norm(x, weight, eps, residual)

@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 
-def kv_strides(key_cache: torch.Tensor, value_cache: torch.Tensor,
-               key_scale: torch.Tensor | None) -> tuple[int, ...]:
+def kv_strides(key_cache: torch.Tensor, value_cache: torch.Tensor, key_scale: torch.Tensor | None) -> tuple[int, ...]:
     """The kernels' cache strides: key (block, slot, head), value (block, slot, head, dim), scales (block, slot,
     head; zeros for unquantized caches). Caches are [num_blocks, block_size, Hkv, D] views, key rows contiguous;
     scales are [num_blocks, block_size, Hkv] views."""
@@ -47,7 +46,12 @@ def int8x4_to_fp16(x):
         sub.f16x2 $0, $0, bias;
         sub.f16x2 $1, $1, bias;
         }""",
-        constraints="=r,=r,r", args=[x], dtype=tl.float16, is_pure=True, pack=4)
+        constraints="=r,=r,r",
+        args=[x],
+        dtype=tl.float16,
+        is_pure=True,
+        pack=4,
+    )
 
 
 @triton.jit
@@ -88,16 +92,41 @@ def split_query_int8(q, sm_scale):
 def int8_tile_scores(q_hi, q_lo, q_scale, k, k_scale):
     """Scaled q @ k^T [rows, BLOCK_N] in fp32 from `split_query_int8` and int8 keys, both scales folded in. Exact
     in int32 up to head_dim 256: |hi * 256 + lo| <= 32640, times 127 per key entry."""
-    s = (tl.dot(q_hi, tl.trans(k), out_dtype=tl.int32) * 256
-         + tl.dot(q_lo, tl.trans(k), out_dtype=tl.int32))
+    s = tl.dot(q_hi, tl.trans(k), out_dtype=tl.int32) * 256 + tl.dot(q_lo, tl.trans(k), out_dtype=tl.int32)
     return s.to(tl.float32) * (q_scale[:, None] * k_scale[None, :])
 
 
 @triton.jit
-def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, end, d,
-                 d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-                 stride_sb, stride_ss, stride_sh, dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                 KV_INT8: tl.constexpr, ASM_CVT: tl.constexpr, CONVERT_K: tl.constexpr = True):
+def load_kv_tile(
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    seq,
+    kv_head,
+    n0,
+    end,
+    d,
+    d_mask,
+    stride_bt,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    dtype: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    ASM_CVT: tl.constexpr,
+    CONVERT_K: tl.constexpr = True,
+):
     """K and V [BLOCK_N, BLOCK_D] of context tokens n0 .. n0 + BLOCK_N (n0 a multiple of BLOCK_SIZE) of one
     sequence and KV head, and their per-token scales (ones for unquantized caches). INT8 K/V are converted exactly
     to `dtype` (INT8 keys stay int8 without CONVERT_K); their scales are left to the caller to fold into the scores
@@ -106,24 +135,39 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_table
     n_mask = offs < end
     block = tl.load(block_tables_ptr + seq * stride_bt + offs // BLOCK_SIZE, mask=n_mask, other=0)
     slot = offs % BLOCK_SIZE
-    k = tl.load(k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh
-                + d[None, :], mask=n_mask[:, None] & d_mask[None, :], other=0)
+    k = tl.load(
+        k_cache_ptr + block[:, None] * stride_kb + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :],
+        mask=n_mask[:, None] & d_mask[None, :],
+        other=0,
+    )
     if KV_INT8:
         # Slot-minor values, read as [blocks, slots, dims] so that the compiler sees runs of BLOCK_SIZE tokens.
         NB: tl.constexpr = BLOCK_N // BLOCK_SIZE
         tile_blocks = n0 // BLOCK_SIZE + tl.arange(0, NB)
-        blocks = tl.load(block_tables_ptr + seq * stride_bt + tile_blocks, mask=tile_blocks * BLOCK_SIZE < end,
-                         other=0)
+        blocks = tl.load(block_tables_ptr + seq * stride_bt + tile_blocks, mask=tile_blocks * BLOCK_SIZE < end, other=0)
         s = tl.arange(0, BLOCK_SIZE)
         # Masked by whole blocks, so that runs stay vectorizable: values past `end` in the last block are read
         # too (finite int8s; their scales load as 0, which zeroes their weight).
-        v = tl.load(v_cache_ptr + blocks[:, None, None] * stride_vb + s[None, :, None] * stride_vs
-                    + kv_head * stride_vh + d[None, None, :] * stride_vd,
-                    mask=(tile_blocks * BLOCK_SIZE < end)[:, None, None] & d_mask[None, None, :], other=0)
+        v = tl.load(
+            v_cache_ptr
+            + blocks[:, None, None] * stride_vb
+            + s[None, :, None] * stride_vs
+            + kv_head * stride_vh
+            + d[None, None, :] * stride_vd,
+            mask=(tile_blocks * BLOCK_SIZE < end)[:, None, None] & d_mask[None, None, :],
+            other=0,
+        )
         v = tl.reshape(v, (BLOCK_N, d.shape[0]))
     else:
-        v = tl.load(v_cache_ptr + block[:, None] * stride_vb + slot[:, None] * stride_vs + kv_head * stride_vh
-                    + d[None, :] * stride_vd, mask=n_mask[:, None] & d_mask[None, :], other=0)
+        v = tl.load(
+            v_cache_ptr
+            + block[:, None] * stride_vb
+            + slot[:, None] * stride_vs
+            + kv_head * stride_vh
+            + d[None, :] * stride_vd,
+            mask=n_mask[:, None] & d_mask[None, :],
+            other=0,
+        )
     if KV_INT8:
         scale_off = block * stride_sb + slot * stride_ss + kv_head * stride_sh
         k_scale = tl.load(k_scale_ptr + scale_off, mask=n_mask, other=0.0)

@@ -15,15 +15,45 @@ from pagellm.kernels.paged_kv import accumulate, asm_conversions, kv_strides, lo
 
 # Nothing that changes with the batch may pick a new specialization mid-serving: the block-table width (a stride),
 # and the alignment of the metadata views that mixed steps pass for the sequences after their decodes.
-@triton.jit(do_not_specialize=["stride_bt"],
-            do_not_specialize_on_alignment=["block_tables_ptr", "qsl_ptr", "seq_lens_ptr"])
-def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, qsl_ptr,
-                    seq_lens_ptr, out_ptr, stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb,
-                    stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh, stride_bt, stride_ot, stride_oh,
-                    sm_scale,
-                    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, KV_INT8: tl.constexpr, IEEE: tl.constexpr,
-                    ASM_CVT: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["stride_bt"], do_not_specialize_on_alignment=["block_tables_ptr", "qsl_ptr", "seq_lens_ptr"]
+)
+def _prefill_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    block_tables_ptr,
+    qsl_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_sb,
+    stride_ss,
+    stride_sh,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    sm_scale,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    IEEE: tl.constexpr,
+    ASM_CVT: tl.constexpr,
+):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     tile = tl.program_id(2)
@@ -39,8 +69,11 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
     r_mask = rows < q_len
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
-                mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + d[None, :],
+        mask=r_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
     q = query_operand(q, sm_scale, KV_INT8)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -49,9 +82,34 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
     kv_end = tl.minimum(seq_len, context + (tile + 1) * BLOCK_M)
     for n0 in range(0, kv_end, BLOCK_N):
         k, v, k_scale, v_scale = load_kv_tile(
-            k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, block_tables_ptr, seq, kv_head, n0, kv_end, d,
-            d_mask, stride_bt, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd,
-            stride_sb, stride_ss, stride_sh, q.dtype, BLOCK_N, BLOCK_SIZE, KV_INT8, ASM_CVT)
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            block_tables_ptr,
+            seq,
+            kv_head,
+            n0,
+            kv_end,
+            d,
+            d_mask,
+            stride_bt,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            stride_vd,
+            stride_sb,
+            stride_ss,
+            stride_sh,
+            q.dtype,
+            BLOCK_N,
+            BLOCK_SIZE,
+            KV_INT8,
+            ASM_CVT,
+        )
         s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
         offs = n0 + tl.arange(0, BLOCK_N)
         visible = (offs[None, :] <= context + rows[:, None]) & (offs < kv_end)[None, :]
@@ -64,14 +122,26 @@ def _prefill_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, b
         acc = accumulate(acc, alpha, p, v, v_scale, KV_INT8, IEEE)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(
+        out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=r_mask[:, None] & d_mask[None, :],
+    )
 
 
-def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                            block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                            scale: float, max_query_len: int, key_scale: torch.Tensor | None = None,
-                            value_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+def paged_prefill_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Same contract as `reference.paged_attention`: flat q [T, H, D]; sequence b owns the tokens
     query_start_loc[b]:[b+1] (offsets into q and out). Returns [T, H, D]."""
     num_tokens, num_heads, head_dim = q.shape
@@ -83,10 +153,32 @@ def paged_prefill_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cach
     block_size = key_cache.shape[1]
     grid = (batch, num_heads, triton.cdiv(max_query_len, block_m))
     _prefill_kernel[grid](
-        q, key_cache, value_cache, scales[0], scales[1], block_tables, query_start_loc, seq_lens, out,
-        q.stride(0), q.stride(1), *kv_strides(key_cache, value_cache, key_scale), block_tables.stride(0),
-        out.stride(0), out.stride(1), scale, GROUP=num_heads // key_cache.shape[2], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_M=block_m, BLOCK_N=max(64, block_size),
-        BLOCK_SIZE=block_size, KV_INT8=kv_int8, IEEE=q.dtype == torch.float32, ASM_CVT=asm_conversions(q),
-        num_warps=4, num_stages=2)
+        q,
+        key_cache,
+        value_cache,
+        scales[0],
+        scales[1],
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        q.stride(0),
+        q.stride(1),
+        *kv_strides(key_cache, value_cache, key_scale),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        GROUP=num_heads // key_cache.shape[2],
+        HEAD_DIM=head_dim,
+        BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m,
+        BLOCK_N=max(64, block_size),
+        BLOCK_SIZE=block_size,
+        KV_INT8=kv_int8,
+        IEEE=q.dtype == torch.float32,
+        ASM_CVT=asm_conversions(q),
+        num_warps=4,
+        num_stages=2,
+    )
     return out

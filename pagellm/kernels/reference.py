@@ -13,8 +13,9 @@ INT8_MAX = 127.0
 SAMPLE_MAX_ROUNDS = 32
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x + residual) normalized, and the new residual x + residual. Matches HF Llama: normalize in fp32,
     cast back to the input dtype, then multiply by the weight."""
     if residual is not None:
@@ -24,8 +25,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     return weight * h.to(x.dtype), x
 
 
-def apply_rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
-               cos_sin_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Neox-style rotary embedding (HF `rotate_half`) of q [T, H, D] and k [T, Hkv, D].
     `cos_sin_cache` is [max_pos, D] holding cos in the first half and sin in the second."""
     half = cos_sin_cache.shape[1] // 2
@@ -54,9 +56,15 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def write_kv(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, key_scale: torch.Tensor | None = None,
-             value_scale: torch.Tensor | None = None) -> None:
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+) -> None:
     """Store key/value [T, Hkv, D] at flat slots (block * block_size + offset) of caches
     [num_blocks, block_size, Hkv, D] (any strides); slot -1 is padding and skipped. INT8 caches get per-token,
     per-head scales in key_scale/value_scale [num_blocks, block_size, Hkv]."""
@@ -84,8 +92,14 @@ class AttentionPlan:
     max_query_len: int
 
 
-def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                   block_size: int, max_query_len: int, max_seq_len: int) -> AttentionPlan:
+def plan_attention(
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_size: int,
+    max_query_len: int,
+    max_seq_len: int,
+) -> AttentionPlan:
     device = seq_lens.device
     batch, num_tokens = seq_lens.numel(), int(query_start_loc[-1])
     key_pos = torch.arange(max_seq_len, device=device)
@@ -98,8 +112,9 @@ def plan_attention(block_tables: torch.Tensor, query_start_loc: torch.Tensor, se
     return AttentionPlan(key_slots, mask[:, None], seq_of_token, row_of_token, max_query_len)
 
 
-def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, key_slots: torch.Tensor,
-              dtype: torch.dtype) -> torch.Tensor:
+def gather_kv(
+    cache: torch.Tensor, scale: torch.Tensor | None, key_slots: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """Contiguous [B, L, Hkv, D] copy of each sequence's cached keys or values (dequantized)."""
     block, offset = key_slots // cache.shape[1], key_slots % cache.shape[1]
     out = cache[block, offset]
@@ -108,27 +123,39 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, key_slots: torch.
     return out.to(dtype)
 
 
-def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                    block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                    scale: float, max_query_len: int, max_seq_len: int,
-                    key_scale: torch.Tensor | None = None, value_scale: torch.Tensor | None = None,
-                    plan: AttentionPlan | None = None) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    max_seq_len: int,
+    key_scale: torch.Tensor | None = None,
+    value_scale: torch.Tensor | None = None,
+    plan: AttentionPlan | None = None,
+) -> torch.Tensor:
     """Attention of flat queries q [T, H, D] over paged K/V, causal with a query offset: query i of a sequence
     with context c = seq_len - query_len sees keys j <= c + i. Returns [T, H, D]. `plan` (from
     `plan_attention`) saves recomputing the batch's indices and mask in every layer."""
-    plan = plan or plan_attention(block_tables, query_start_loc, seq_lens, key_cache.shape[1], max_query_len,
-                                  max_seq_len)
+    plan = plan or plan_attention(
+        block_tables, query_start_loc, seq_lens, key_cache.shape[1], max_query_len, max_seq_len
+    )
     batch = seq_lens.numel()
     keys = gather_kv(key_cache, key_scale, plan.key_slots, q.dtype).transpose(1, 2)
     values = gather_kv(value_cache, value_scale, plan.key_slots, q.dtype).transpose(1, 2)
     if plan.max_query_len == 1:  # decode: one query per sequence, nothing to pad
-        out = F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=plan.mask[:, :, 0, None],
-                                             scale=scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q[:, :, None], keys, values, attn_mask=plan.mask[:, :, 0, None], scale=scale, enable_gqa=True
+        )
         return out[:, :, 0]
     padded_q = q.new_zeros(batch, plan.max_query_len, *q.shape[1:])
     padded_q[plan.seq_of_token, plan.row_of_token] = q
-    out = F.scaled_dot_product_attention(padded_q.transpose(1, 2), keys, values, attn_mask=plan.mask, scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        padded_q.transpose(1, 2), keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2)[plan.seq_of_token, plan.row_of_token]
 
 
@@ -156,8 +183,14 @@ def philox_uniform(seeds: np.ndarray, offset: int) -> np.ndarray:
     return x.astype(np.float32) * np.float32(4.6566127342e-10)
 
 
-def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
-                seeds: torch.Tensor, max_rounds: int = SAMPLE_MAX_ROUNDS) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor,
+    inv_temperature: torch.Tensor,
+    greedy: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    max_rounds: int = SAMPLE_MAX_ROUNDS,
+) -> torch.Tensor:
     """The sampling kernel's algorithm (kernels/sampling.py), row-batched in torch: token ids [B] from logits
     [B, V] scaled by inv_temperature [B]; the argmax where greedy [B] != 0, else a top-p draw by inverse transform
     with one Philox uniform per round, keyed by seeds [B] as the kernel keys them. A draw is kept when the mass of

@@ -9,8 +9,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, stride_x, stride_r, stride_o,
-                     stride_ro, n_cols, eps, HAS_RESIDUAL: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    n_cols,
+    eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -25,8 +38,9 @@ def _rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     tl.store(out_ptr + row * stride_o + cols, weight * normed, mask=mask)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as `reference.rms_norm`: returns (norm(x + residual) * weight, x + residual). Any leading
     shape; the last dim is normalized and must be contiguous."""
     shape = x.shape
@@ -40,7 +54,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     rows, n_cols = x2.shape
     if rows:
         _rms_norm_kernel[(rows,)](
-            x2, res2, weight, out, res_out if residual is not None else out,
-            x2.stride(0), res2.stride(0), out.stride(0), (res_out if residual is not None else out).stride(0),
-            n_cols, eps, HAS_RESIDUAL=residual is not None, BLOCK_N=triton.next_power_of_2(n_cols))
+            x2,
+            res2,
+            weight,
+            out,
+            res_out if residual is not None else out,
+            x2.stride(0),
+            res2.stride(0),
+            out.stride(0),
+            (res_out if residual is not None else out).stride(0),
+            n_cols,
+            eps,
+            HAS_RESIDUAL=residual is not None,
+            BLOCK_N=triton.next_power_of_2(n_cols),
+        )
     return out.view(shape), res_out.view(shape) if residual is not None else x

@@ -13,8 +13,21 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_heads(ptr, stride_t, stride_h, token, num_heads, cos, sin, norm_weight_ptr, eps, HALF: tl.constexpr,
-                  BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr):
+def _rotate_heads(
+    ptr,
+    stride_t,
+    stride_h,
+    token,
+    num_heads,
+    cos,
+    sin,
+    norm_weight_ptr,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    NORM: tl.constexpr,
+):
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (d < HALF)
@@ -33,23 +46,49 @@ def _rotate_heads(ptr, stride_t, stride_h, token, num_heads, cos, sin, norm_weig
 
 
 @triton.jit
-def _rope_kernel(q_ptr, k_ptr, pos_ptr, cache_ptr, q_norm_ptr, k_norm_ptr, stride_qt, stride_qh, stride_kt,
-                 stride_kh, stride_c, num_q_heads, num_k_heads, eps, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                 BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, NORM: tl.constexpr):
+def _rope_kernel(
+    q_ptr,
+    k_ptr,
+    pos_ptr,
+    cache_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_c,
+    num_q_heads,
+    num_k_heads,
+    eps,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    NORM: tl.constexpr,
+):
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cache_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)
     sin = tl.load(cache_ptr + pos * stride_c + HALF + d, mask=d < HALF, other=0.0)
-    _rotate_heads(q_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin, q_norm_ptr, eps, HALF, BLOCK_HQ,
-                  BLOCK_HALF, NORM)
-    _rotate_heads(k_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin, k_norm_ptr, eps, HALF, BLOCK_HK,
-                  BLOCK_HALF, NORM)
+    _rotate_heads(
+        q_ptr, stride_qt, stride_qh, token, num_q_heads, cos, sin, q_norm_ptr, eps, HALF, BLOCK_HQ, BLOCK_HALF, NORM
+    )
+    _rotate_heads(
+        k_ptr, stride_kt, stride_kh, token, num_k_heads, cos, sin, k_norm_ptr, eps, HALF, BLOCK_HK, BLOCK_HALF, NORM
+    )
 
 
-def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
-                q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-                eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rope_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q and k in place (views with a contiguous last dim are fine); returns them. With the per-head norm
     weights q_norm and k_norm [D], each head is RMS-normalized first (reference.rms_norm, then apply_rope)."""
     num_tokens, num_q_heads, head_dim = q.shape
@@ -57,8 +96,24 @@ def apply_rope_(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_s
     norm = q_norm is not None
     if num_tokens:
         _rope_kernel[(num_tokens,)](
-            q, k, positions, cos_sin_cache, q_norm if norm else q, k_norm if norm else k, q.stride(0), q.stride(1),
-            k.stride(0), k.stride(1), cos_sin_cache.stride(0), num_q_heads, k.shape[1], eps, HALF=half,
-            BLOCK_HALF=triton.next_power_of_2(half), BLOCK_HQ=triton.next_power_of_2(num_q_heads),
-            BLOCK_HK=triton.next_power_of_2(k.shape[1]), NORM=norm)
+            q,
+            k,
+            positions,
+            cos_sin_cache,
+            q_norm if norm else q,
+            k_norm if norm else k,
+            q.stride(0),
+            q.stride(1),
+            k.stride(0),
+            k.stride(1),
+            cos_sin_cache.stride(0),
+            num_q_heads,
+            k.shape[1],
+            eps,
+            HALF=half,
+            BLOCK_HALF=triton.next_power_of_2(half),
+            BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+            BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+            NORM=norm,
+        )
     return q, k

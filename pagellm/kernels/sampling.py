@@ -30,8 +30,18 @@ CHUNK = 8192  # vocabulary entries per program of the first kernel
 
 
 @triton.jit
-def _chunk_stats_kernel(logits_ptr, stride_l, inv_temperature_ptr, max_ptr, norm_ptr, argmax_ptr, vocab,
-                        num_chunks, CHUNK: tl.constexpr, ALL_GREEDY: tl.constexpr):
+def _chunk_stats_kernel(
+    logits_ptr,
+    stride_l,
+    inv_temperature_ptr,
+    max_ptr,
+    norm_ptr,
+    argmax_ptr,
+    vocab,
+    num_chunks,
+    CHUNK: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+):
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -89,9 +99,24 @@ def _mass_above(base, vocab, inv_t, m, inv_z, threshold, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _sample_kernel(logits_ptr, stride_l, inv_temperature_ptr, greedy_ptr, top_p_ptr, seeds_ptr, max_ptr, norm_ptr,
-                   argmax_ptr, out_ptr, vocab, num_chunks, MAX_ROUNDS: tl.constexpr, CHUNK: tl.constexpr,
-                   BLOCK_C: tl.constexpr, ALL_GREEDY: tl.constexpr):
+def _sample_kernel(
+    logits_ptr,
+    stride_l,
+    inv_temperature_ptr,
+    greedy_ptr,
+    top_p_ptr,
+    seeds_ptr,
+    max_ptr,
+    norm_ptr,
+    argmax_ptr,
+    out_ptr,
+    vocab,
+    num_chunks,
+    MAX_ROUNDS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    ALL_GREEDY: tl.constexpr,
+):
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK_C)
     c_mask = chunks < num_chunks
@@ -104,15 +129,40 @@ def _sample_kernel(logits_ptr, stride_l, inv_temperature_ptr, greedy_ptr, top_p_
     if not ALL_GREEDY:
         if tl.load(greedy_ptr + row) == 0:
             weight = tl.load(norm_ptr + stats, mask=c_mask, other=0.0) * tl.exp(m_c - m)
-            token = _draw(logits_ptr + row * stride_l, vocab, tl.load(inv_temperature_ptr + row),
-                          tl.load(top_p_ptr + row), tl.load(seeds_ptr + row), m, top, weight, chunk_top, chunks,
-                          num_chunks, MAX_ROUNDS, CHUNK)
+            token = _draw(
+                logits_ptr + row * stride_l,
+                vocab,
+                tl.load(inv_temperature_ptr + row),
+                tl.load(top_p_ptr + row),
+                tl.load(seeds_ptr + row),
+                m,
+                top,
+                weight,
+                chunk_top,
+                chunks,
+                num_chunks,
+                MAX_ROUNDS,
+                CHUNK,
+            )
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
 @triton.jit
-def _draw(base, vocab, inv_t, top_p, seed, m, top, weight, chunk_top, chunks, num_chunks, MAX_ROUNDS: tl.constexpr,
-          CHUNK: tl.constexpr):
+def _draw(
+    base,
+    vocab,
+    inv_t,
+    top_p,
+    seed,
+    m,
+    top,
+    weight,
+    chunk_top,
+    chunks,
+    num_chunks,
+    MAX_ROUNDS: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """A top-p draw from one row; `weight`, `chunk_top`: each chunk's normalizer (relative to the row's max `m`)
     and argmax."""
     inv_z = 1.0 / tl.sum(weight, axis=0)
@@ -125,15 +175,27 @@ def _draw(base, vocab, inv_t, top_p, seed, m, top, weight, chunk_top, chunks, nu
     k = tl.sum((cum_weight <= u).to(tl.int32), axis=0)
     k = tl.where(k < num_chunks, k, tl.max(tl.where(weight > 0, chunks, 0), axis=0))  # rounding at the end
     chunk_start = k * CHUNK
-    draw = _inverse_transform(base, chunk_start, tl.minimum(chunk_start + CHUNK, vocab), inv_t, m, inv_z, lower,
-                              _entry(cum_weight - weight, chunks, k), u, _entry(chunk_top, chunks, k), CHUNK)
+    draw = _inverse_transform(
+        base,
+        chunk_start,
+        tl.minimum(chunk_start + CHUNK, vocab),
+        inv_t,
+        m,
+        inv_z,
+        lower,
+        _entry(cum_weight - weight, chunks, k),
+        u,
+        _entry(chunk_top, chunks, k),
+        CHUNK,
+    )
     mass = tl.full([], 1.0, tl.float32)  # of the candidates
     token = top
     accepted = tl.zeros([], tl.int32)
     while (accepted == 0) & (rounds < MAX_ROUNDS):
         if rounds > 0:  # draw again among the tokens more likely than the last rejected one
-            draw = _inverse_transform(base, 0, vocab, inv_t, m, inv_z, lower, 0.0, tl.rand(seed, rounds) * mass,
-                                      top, CHUNK)
+            draw = _inverse_transform(
+                base, 0, vocab, inv_t, m, inv_z, lower, 0.0, tl.rand(seed, rounds) * mass, top, CHUNK
+            )
         p_draw = tl.exp(tl.load(base + draw).to(tl.float32) * inv_t - m) * inv_z
         accepted = 1
         if (top_p < 1.0) & (draw != top):  # the top token is always in the nucleus
@@ -146,8 +208,9 @@ def _draw(base, vocab, inv_t, top_p, seed, m, top, weight, chunk_top, chunks, nu
     return token
 
 
-def sample_rows(logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor,
-                seeds: torch.Tensor) -> torch.Tensor:
+def sample_rows(
+    logits: torch.Tensor, inv_temperature: torch.Tensor, greedy: torch.Tensor, top_p: torch.Tensor, seeds: torch.Tensor
+) -> torch.Tensor:
     """Token ids [B] (int64) from logits [B, V] (masks applied) scaled by `inv_temperature` [B] (fp32): the argmax
     where `greedy`, else a top-p draw keyed by `seeds` [B] (int64)."""
     return _launch(logits, (inv_temperature, greedy, top_p, seeds))
@@ -171,10 +234,36 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, ...] | None) -
     chunk_argmax = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     all_greedy = row_params is None
     inv_temperature, greedy, top_p, seeds = (logits,) * 4 if all_greedy else row_params  # unread when all greedy
-    _chunk_stats_kernel[(rows, num_chunks)](logits, logits.stride(0), inv_temperature, chunk_max, chunk_norm,
-                                            chunk_argmax, vocab, num_chunks, CHUNK=chunk, ALL_GREEDY=all_greedy,
-                                            num_warps=8)
-    _sample_kernel[(rows,)](logits, logits.stride(0), inv_temperature, greedy, top_p, seeds, chunk_max, chunk_norm,
-                            chunk_argmax, out, vocab, num_chunks, MAX_ROUNDS=MAX_ROUNDS, CHUNK=chunk,
-                            BLOCK_C=triton.next_power_of_2(num_chunks), ALL_GREEDY=all_greedy, num_warps=16)
+    _chunk_stats_kernel[(rows, num_chunks)](
+        logits,
+        logits.stride(0),
+        inv_temperature,
+        chunk_max,
+        chunk_norm,
+        chunk_argmax,
+        vocab,
+        num_chunks,
+        CHUNK=chunk,
+        ALL_GREEDY=all_greedy,
+        num_warps=8,
+    )
+    _sample_kernel[(rows,)](
+        logits,
+        logits.stride(0),
+        inv_temperature,
+        greedy,
+        top_p,
+        seeds,
+        chunk_max,
+        chunk_norm,
+        chunk_argmax,
+        out,
+        vocab,
+        num_chunks,
+        MAX_ROUNDS=MAX_ROUNDS,
+        CHUNK=chunk,
+        BLOCK_C=triton.next_power_of_2(num_chunks),
+        ALL_GREEDY=all_greedy,
+        num_warps=16,
+    )
     return out

@@ -44,8 +44,15 @@ class LayerKVCache:
     value_scale: torch.Tensor | None = None
 
 
-def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype: torch.dtype, device: torch.device) -> list[LayerKVCache]:
+def allocate_kv_caches(
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[LayerKVCache]:
     """Every cache is indexed [block, slot, head, dim], scales [block, slot, head]. An INT8 value cache is stored
     slot-minor ([block, head, dim, slot] in memory, viewed in that order): the attention kernels' probabilities @
     values product then reads values contiguous along tokens, which int8 needs to reach the tensor cores quickly.
@@ -57,10 +64,13 @@ def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv
     for _ in range(num_layers):
         key = torch.zeros(shape, dtype=dtype, device=device)
         if dtype == torch.int8:
-            value = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype,
-                                device=device).permute(0, 3, 1, 2)
-            scales = tuple(torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.float32,
-                                       device=device).permute(0, 2, 1) for _ in range(2))
+            value = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device).permute(
+                0, 3, 1, 2
+            )
+            scales = tuple(
+                torch.zeros(num_blocks, num_kv_heads, block_size, dtype=torch.float32, device=device).permute(0, 2, 1)
+                for _ in range(2)
+            )
         else:
             value, scales = torch.zeros_like(key), (None, None)
         caches.append(LayerKVCache(key, value, *scales))
@@ -74,8 +84,15 @@ class AttentionBackend(Protocol):
         """This backend's metadata of a step: the common fields plus its per-step work shared by all layers
         (called once before the forward pass)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor: ...
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -87,16 +104,40 @@ class TorchAttentionBackend:
         self.block_size = block_size
 
     def build_metadata(self, metadata: AttentionMetadata) -> TorchAttentionMetadata:
-        plan = reference.plan_attention(metadata.block_tables, metadata.query_start_loc, metadata.seq_lens,
-                                        self.block_size, metadata.max_query_len, metadata.max_seq_len)
+        plan = reference.plan_attention(
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            self.block_size,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+        )
         return TorchAttentionMetadata(**vars(metadata), plan=plan)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                metadata: TorchAttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        metadata: TorchAttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
         reference.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
-        return reference.paged_attention(q, cache.key, cache.value, metadata.block_tables, metadata.query_start_loc,
-                                         metadata.seq_lens, scale, metadata.max_query_len, metadata.max_seq_len,
-                                         cache.key_scale, cache.value_scale, plan=metadata.plan)
+        return reference.paged_attention(
+            q,
+            cache.key,
+            cache.value,
+            metadata.block_tables,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            scale,
+            metadata.max_query_len,
+            metadata.max_seq_len,
+            cache.key_scale,
+            cache.value_scale,
+            plan=metadata.plan,
+        )
 
 
 class TritonAttentionBackend:
@@ -114,10 +155,16 @@ class TritonAttentionBackend:
     def build_metadata(self, metadata: AttentionMetadata) -> AttentionMetadata:
         return metadata  # the kernels read the common metadata tensors directly
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerKVCache,
-                metadata: AttentionMetadata, scale: float) -> torch.Tensor:
-        self._kv_write.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale,
-                                cache.value_scale)
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        self._kv_write.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
         out = torch.empty_like(q)
         n = metadata.num_decodes
         scales = (cache.key_scale, cache.value_scale)
@@ -126,13 +173,31 @@ class TritonAttentionBackend:
             # sequence, its split count (a specialized argument) would recompile the kernels mid-serving.
             kv_int8 = cache.key.dtype == torch.int8
             split = self._decode.split_size_for(self.max_model_len, n, kv_int8, cache.key.shape[1])
-            self._decode.paged_decode_attention(q[:n], cache.key, cache.value, metadata.block_tables[:n],
-                                                metadata.seq_lens[:n], scale, self.max_model_len, split, *scales,
-                                                out=out[:n])
+            self._decode.paged_decode_attention(
+                q[:n],
+                cache.key,
+                cache.value,
+                metadata.block_tables[:n],
+                metadata.seq_lens[:n],
+                scale,
+                self.max_model_len,
+                split,
+                *scales,
+                out=out[:n],
+            )
         if n < metadata.seq_lens.numel():
-            self._prefill.paged_prefill_attention(q, cache.key, cache.value, metadata.block_tables[n:],
-                                                  metadata.query_start_loc[n:], metadata.seq_lens[n:], scale,
-                                                  metadata.max_query_len, *scales, out=out)
+            self._prefill.paged_prefill_attention(
+                q,
+                cache.key,
+                cache.value,
+                metadata.block_tables[n:],
+                metadata.query_start_loc[n:],
+                metadata.seq_lens[n:],
+                scale,
+                metadata.max_query_len,
+                *scales,
+                out=out,
+            )
         return out
 
 

@@ -35,8 +35,12 @@ class Linear(nn.Module):
 
 
 def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 class MergedLinear(Linear):
@@ -49,7 +53,7 @@ class MergedLinear(Linear):
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
         start, size = self.offsets[shard], self.output_sizes[shard]
-        getattr(self, param_name).data[start:start + size].copy_(tensor)
+        getattr(self, param_name).data[start : start + size].copy_(tensor)
 
 
 class RMSNorm(nn.Module):
@@ -91,8 +95,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
         self.ops = ops
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm | None = None,
-                k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q [T, H, D] and k [T, Hkv, D], after RMS-normalizing each head when given per-head norms
         (Qwen3). The Triton op does both in one kernel, in place."""
         if q_norm is None:

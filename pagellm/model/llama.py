@@ -29,11 +29,12 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.rotary = rotary
         self.backend = backend
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.split_sizes = [q_size, kv_size, kv_size]
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, cache: LayerKVCache,
-                metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, cache: LayerKVCache, metadata: AttentionMetadata
+    ) -> torch.Tensor:
         num_tokens = hidden.shape[0]
         q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
@@ -52,8 +53,14 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
-                cache: LayerKVCache, metadata: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, cache, metadata)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
@@ -68,13 +75,17 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, ops)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, ops)
-                                    for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, ops) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, ops)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                kv_caches: list[LayerKVCache]) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        kv_caches: list[LayerKVCache],
+    ) -> torch.Tensor:
         hidden, residual = self.embed_tokens(input_ids), None
         for layer, cache in zip(self.layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, cache, metadata)
@@ -126,16 +137,21 @@ class LlamaForCausalLM(nn.Module):
             if name not in params:
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no place in {self.config.architecture}")
             if params[name].shape != tensor.shape:
-                raise ValueError(f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(params[name].shape)}")
+                raise ValueError(
+                    f"checkpoint tensor {hf_name!r} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(params[name].shape)}"
+                )
             params[name].data.copy_(tensor)
             loaded.add(name)
         return loaded
 
 
 _MERGED = {
-    "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
 }
 
 

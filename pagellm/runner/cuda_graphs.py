@@ -33,8 +33,15 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaForCausalLM, kv_caches: list[LayerKVCache], max_num_seqs: int,
-                 max_model_len: int, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_caches: list[LayerKVCache],
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
         self.model = model
         self.kv_caches = kv_caches
         self.max_model_len = max_model_len
@@ -45,14 +52,15 @@ class DecodeGraphs:
         self._tables_offset = sum(_aligned(max_bs * dtype.itemsize) for dtype in _HEAD_DTYPES)
         # Two pinned host buffers, used in turn: with asynchronous scheduling the next step fills one while the
         # copy out of the other may still be queued behind the step in flight.
-        self._host = [torch.zeros(self._tables_offset + max_bs * self.width * 4, dtype=torch.uint8,
-                                  pin_memory=True) for _ in range(2)]
+        self._host = [
+            torch.zeros(self._tables_offset + max_bs * self.width * 4, dtype=torch.uint8, pin_memory=True)
+            for _ in range(2)
+        ]
         self._host_views = [[t.numpy() for t in self._views(host)] for host in self._host]
         self._copied = [torch.cuda.Event() for _ in range(2)]
         self._turn = 0
         self._device = torch.zeros_like(self._host[0], device=device)
-        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(
-            self._device)
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables = self._views(self._device)
         self.slot_mapping.fill_(-1)
         self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(max_bs + 1, dtype=torch.int32, device=device)
@@ -64,7 +72,7 @@ class DecodeGraphs:
         max_bs = self.sizes[-1]
         views, offset = [], 0
         for dtype in _HEAD_DTYPES:
-            views.append(buffer[offset:offset + max_bs * dtype.itemsize].view(dtype))
+            views.append(buffer[offset : offset + max_bs * dtype.itemsize].view(dtype))
             offset += _aligned(max_bs * dtype.itemsize)
         views.append(buffer[offset:].view(torch.int32).view(max_bs, self.width))
         return views
@@ -75,9 +83,15 @@ class DecodeGraphs:
 
     def _metadata(self, bs: int) -> AttentionMetadata:
         # max_seq_len = max_model_len: the decode grid covers any context, so one graph serves every step.
-        return AttentionMetadata(self.slot_mapping[:bs], self.block_tables[:bs], self.query_start_loc[:bs + 1],
-                                 self.seq_lens[:bs], max_query_len=1, max_seq_len=self.max_model_len,
-                                 num_decodes=bs)
+        return AttentionMetadata(
+            self.slot_mapping[:bs],
+            self.block_tables[:bs],
+            self.query_start_loc[: bs + 1],
+            self.seq_lens[:bs],
+            max_query_len=1,
+            max_seq_len=self.max_model_len,
+            num_decodes=bs,
+        )
 
     def _forward(self, bs: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:bs], self.positions[:bs], self._metadata(bs), self.kv_caches)
@@ -116,7 +130,7 @@ class DecodeGraphs:
         host_slots[n:bs] = -1
         host_seq_lens[:n] = batch.seq_lens
         host_seq_lens[n:bs] = 1
-        host_tables[:n, :batch.block_tables.shape[1]] = batch.block_tables
+        host_tables[:n, : batch.block_tables.shape[1]] = batch.block_tables
         used = self._tables_offset + bs * self.width * 4
         self._device[:used].copy_(self._host[turn][:used], non_blocking=True)
         self._copied[turn].record()

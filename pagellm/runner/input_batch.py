@@ -109,8 +109,9 @@ def build_host_batch(step: SchedulerOutput, block_size: int) -> HostBatch:
     for request_id, offset, start, targets, top_n in prompt_rows:
         first_row = len(logits_indices)
         logits_indices += range(offset, offset + len(targets))
-        prompt_logprob_rows.append(PromptLogprobRows(request_id, list(range(first_row, first_row + len(targets))),
-                                                     targets, start, top_n))
+        prompt_logprob_rows.append(
+            PromptLogprobRows(request_id, list(range(first_row, first_row + len(targets))), targets, start, top_n)
+        )
     return HostBatch(
         input_ids=np.array(input_ids, dtype=np.int64),
         positions=np.array(positions, dtype=np.int64),
@@ -147,8 +148,9 @@ def to_device(batch: HostBatch, device: torch.device) -> ModelInput:
         max_seq_len=int(batch.seq_lens.max()),
         num_decodes=batch.num_decodes,
     )
-    return ModelInput(_to(batch.input_ids, device), _to(batch.positions, device), metadata,
-                      _to(batch.logits_indices, device))
+    return ModelInput(
+        _to(batch.input_ids, device), _to(batch.positions, device), metadata, _to(batch.logits_indices, device)
+    )
 
 
 def _to(array: np.ndarray, device: torch.device) -> torch.Tensor:

@@ -37,8 +37,11 @@ if TYPE_CHECKING:
 PROFILE_SAMPLING = (SamplingParams(temperature=1.0, top_p=0.9, logprobs=20),)
 # One set per sampling kernel variant: fp32 logits (the full path, here through a penalty) and the model's own
 # (the plain and greedy paths).
-COMPILE_SAMPLING = (SamplingParams(top_p=0.9, repetition_penalty=1.1), SamplingParams(top_p=0.9),
-                    SamplingParams(temperature=0))
+COMPILE_SAMPLING = (
+    SamplingParams(top_p=0.9, repetition_penalty=1.1),
+    SamplingParams(top_p=0.9),
+    SamplingParams(temperature=0),
+)
 
 
 @contextlib.contextmanager
@@ -73,8 +76,7 @@ class ModelRunner:
         self.block_size = engine_config.block_size
         self.max_model_len = max_model_len
         self.ops = ops_for(self.device)
-        self.backend = get_backend("triton" if self.device.type == "cuda" else "torch", self.block_size,
-                                   max_model_len)
+        self.backend = get_backend("triton" if self.device.type == "cuda" else "torch", self.block_size, max_model_len)
         max_positions = max(max_model_len, model_config.max_position_embeddings)
         # What this process held on the GPU before this engine: other engines' memory is not ours to count.
         self._gpu_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
@@ -101,8 +103,10 @@ class ModelRunner:
         bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
         blocks = max(1, min(int(self._gpu_kv_budget() // bytes_per_block), self._most_useful_blocks()))
         if blocks * self.block_size < self.max_model_len:
-            raise ValueError(f"max_model_len={self.max_model_len} does not fit: the KV cache holds "
-                             f"{blocks * self.block_size} tokens; lower max_model_len or raise gpu_memory_utilization")
+            raise ValueError(
+                f"max_model_len={self.max_model_len} does not fit: the KV cache holds "
+                f"{blocks * self.block_size} tokens; lower max_model_len or raise gpu_memory_utilization"
+            )
         return blocks
 
     def _most_useful_blocks(self) -> int:
@@ -122,9 +126,11 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         budget = min(cfg.gpu_memory_utilization * total - peak, free - (peak - weights))
         if budget <= 0:
-            raise ValueError(f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no room for the KV cache "
-                             f"(weights + activations peak at {peak / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free): "
-                             "raise it, or lower max_num_batched_tokens")
+            raise ValueError(
+                f"gpu_memory_utilization={cfg.gpu_memory_utilization} leaves no room for the KV cache "
+                f"(weights + activations peak at {peak / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free): "
+                "raise it, or lower max_num_batched_tokens"
+            )
         return budget
 
     def _start_compiling(self) -> Compilation | None:
@@ -171,8 +177,15 @@ class ModelRunner:
         are sampled with each parameter set in turn."""
         batch = build_host_batch(SchedulerOutput(rows), self.block_size)
         blocks = max(len(row.block_ids) for row in rows)
-        caches = allocate_kv_caches(len(self.model.layers), blocks, self.block_size, self.config.num_kv_heads,
-                                    self.config.head_dim, self.kv_dtype, self.device)
+        caches = allocate_kv_caches(
+            len(self.model.layers),
+            blocks,
+            self.block_size,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.kv_dtype,
+            self.device,
+        )
         logits = self._forward(batch, None, caches)
         for params in sampling:
             sampling_rows = [SamplingRow(params, 0, [0], []) for _ in batch.sampling_rows]
@@ -182,17 +195,35 @@ class ModelRunner:
 
     def _dummy_row(self, num_tokens: int) -> StepRow:
         """A warm-up row from position 0 that samples its last token (so that its logits are computed)."""
-        return StepRow("warmup", 0, num_tokens, [0] * num_tokens, list(range(cdiv(num_tokens, self.block_size))),
-                       sampling=SamplingRow(SamplingParams(temperature=0), 0, [0], []))
+        return StepRow(
+            "warmup",
+            0,
+            num_tokens,
+            [0] * num_tokens,
+            list(range(cdiv(num_tokens, self.block_size))),
+            sampling=SamplingRow(SamplingParams(temperature=0), 0, [0], []),
+        )
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(self.config.num_layers, num_blocks, self.block_size,
-                                            self.config.num_kv_heads, self.config.head_dim, self.kv_dtype,
-                                            self.device)
+        self.kv_caches = allocate_kv_caches(
+            self.config.num_layers,
+            num_blocks,
+            self.block_size,
+            self.config.num_kv_heads,
+            self.config.head_dim,
+            self.kv_dtype,
+            self.device,
+        )
         if self.device.type == "cuda" and not self.engine_config.enforce_eager:
-            self.graphs = DecodeGraphs(self.model, self.kv_caches, self.engine_config.max_num_seqs,
-                                       self.max_model_len, self.block_size, self.device)
+            self.graphs = DecodeGraphs(
+                self.model,
+                self.kv_caches,
+                self.engine_config.max_num_seqs,
+                self.max_model_len,
+                self.block_size,
+                self.device,
+            )
             self.graphs.capture()
 
     # ---- steps ----------------------------------------------------------------------------------------------
@@ -206,9 +237,10 @@ class ModelRunner:
         logits = self._forward(batch, self._pending_input_ids(batch), self.kv_caches)
         sampled = None
         if batch.sampling_rows:  # prepared once the forward pass is enqueued: the host work overlaps it
-            sampled = self.sampler.sample(logits[:len(batch.sampling_rows)], self.sampler.prepare(batch.sampling_rows))
-        prompt_scores = [(rows, _score_prompt(logits[rows.rows], rows.targets, rows.top_n))
-                         for rows in batch.prompt_logprob_rows]
+            sampled = self.sampler.sample(logits[: len(batch.sampling_rows)], self.sampler.prepare(batch.sampling_rows))
+        prompt_scores = [
+            (rows, _score_prompt(logits[rows.rows], rows.targets, rows.top_n)) for rows in batch.prompt_logprob_rows
+        ]
         # Start the copies to the host now and mark their end: waiting on a plain `.tolist()` later would also
         # wait for whatever was launched after this step (the next step, under asynchronous scheduling).
         sampled_host = sampled_to_host_async(sampled) if sampled is not None else None
@@ -220,14 +252,13 @@ class ModelRunner:
         self._last_launched = LaunchedStep(batch, sampled, sampled_host, prompt_scores, copied)
         return self._last_launched
 
-    def _forward(self, batch: HostBatch, input_ids: torch.Tensor | None,
-                 kv_caches: list[LayerKVCache]) -> torch.Tensor:
+    def _forward(self, batch: HostBatch, input_ids: torch.Tensor | None, kv_caches: list[LayerKVCache]) -> torch.Tensor:
         """Logits of the batch's logits rows; `input_ids` (on the device) replace its leading placeholders."""
         if self.graphs is not None and self.graphs.can_run(batch):
             return self.graphs.run(batch, input_ids)  # pure decode: every row samples, in order
         inputs = to_device(batch, self.device)
         if input_ids is not None:
-            inputs.input_ids[:input_ids.shape[0]] = input_ids
+            inputs.input_ids[: input_ids.shape[0]] = input_ids
         metadata = self.backend.build_metadata(inputs.metadata)
         hidden = self.model(inputs.input_ids, inputs.positions, metadata, kv_caches)
         return self.model.compute_logits(hidden[inputs.logits_indices])
@@ -241,7 +272,7 @@ class ModelRunner:
         rows = [row_of[request_id] for request_id in batch.pending_ids]
         sampled = previous.sampled.token_ids
         if rows == list(range(len(rows))):
-            return sampled[:len(rows)]
+            return sampled[: len(rows)]
         return sampled[to_device_async(torch.tensor(rows), sampled.device)]
 
     def collect(self, step: LaunchedStep) -> RunnerOutput:
@@ -254,8 +285,10 @@ class ModelRunner:
             token_ids, scores = sampled_values(step.sampled_host)
             out.sampled = dict(zip(step.batch.sampling_ids, zip(token_ids, scores)))
         for rows, scores in step.prompt_scores:
-            out.prompt_logprobs[rows.request_id] = (rows.first_position + 1,
-                                                    score_values(scores, [rows.top_n] * len(rows.targets)))
+            out.prompt_logprobs[rows.request_id] = (
+                rows.first_position + 1,
+                score_values(scores, [rows.top_n] * len(rows.targets)),
+            )
         return out
 
 

@@ -76,8 +76,9 @@ class Sampler:
         if not all_greedy:
             device = self.device
             # Outside the plain path the logits are divided by the temperature before the draw.
-            inputs.inv_temperature = row_values([1.0 if p.greedy or not plain else 1.0 / p.temperature
-                                                 for p in params], device)
+            inputs.inv_temperature = row_values(
+                [1.0 if p.greedy or not plain else 1.0 / p.temperature for p in params], device
+            )
             inputs.greedy = row_values([p.greedy for p in params], device, torch.int32)
             inputs.top_p = row_values([p.top_p for p in params], device)
             inputs.seeds = self._row_seeds(rows)
@@ -117,8 +118,13 @@ class Sampler:
 
 
 def _temperature_and_top_p_only(params: SamplingParams) -> bool:
-    return (params.logprobs is None and not params.has_penalties and params.min_tokens == 0 and params.min_p == 0
-            and not params.top_k)
+    return (
+        params.logprobs is None
+        and not params.has_penalties
+        and params.min_tokens == 0
+        and params.min_p == 0
+        and not params.top_k
+    )
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

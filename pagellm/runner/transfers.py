@@ -32,8 +32,13 @@ def to_host_async(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def scores_to_host_async(scores: ScoreTensors) -> ScoreTensors:
-    return replace(scores, chosen=to_host_async(scores.chosen), ranks=to_host_async(scores.ranks),
-                   top_values=to_host_async(scores.top_values), top_ids=to_host_async(scores.top_ids))
+    return replace(
+        scores,
+        chosen=to_host_async(scores.chosen),
+        ranks=to_host_async(scores.ranks),
+        top_values=to_host_async(scores.top_values),
+        top_ids=to_host_async(scores.top_ids),
+    )
 
 
 def sampled_to_host_async(sampled: SampledTokens) -> SampledTokens:

@@ -24,19 +24,31 @@ from pagellm.server.serving import Job, OpenAIServing
 
 STATIC = Path(__file__).parent / "static"
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
-_ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None
-                   ) -> JSONResponse:
-    body = {"error": {"message": message, "type": _ERROR_TYPES.get(status, "BadRequestError"), "param": param,
-                      "code": code if code is not None else status}}
+def error_response(status: int, message: str, param: str | None = None, code: str | int | None = None) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": _ERROR_TYPES.get(status, "BadRequestError"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
     return JSONResponse(body, status_code=status)
 
 
-def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(
+    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     app = FastAPI(title="pagellm", version="0.1.0")
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(llm, model_name, metrics)
@@ -50,8 +62,9 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
         if api_key is not None and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
             supplied = request.headers.get("authorization", "")
             if not secrets.compare_digest(supplied.encode(), f"Bearer {api_key}".encode()):
-                return error_response(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                      code="invalid_api_key")
+                return error_response(
+                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
+                )
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -90,8 +103,18 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "pagellm", "max_model_len": llm.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": model_name,
+                    "object": "model",
+                    "created": started,
+                    "owned_by": "pagellm",
+                    "max_model_len": llm.max_model_len,
+                }
+            ],
+        }
 
     async def respond(job: Job, stream: bool, request: Request):
         if stream:
@@ -140,10 +163,17 @@ def create_app(llm: AsyncLLM, model_name: str, api_key: str | None = None,
     @app.get("/stats")
     async def live_stats() -> dict:
         e = llm.stats.engine
-        return {"model": model_name, "running": e.num_running, "waiting": e.num_waiting,
-                "kv_cache_usage": e.kv_cache_usage, "tokens_per_second": llm.stats.tokens_per_second,
-                "prefix_cache_hit_rate": e.prefix_cache_hit_rate, "num_preemptions": e.num_preemptions,
-                "generation_tokens_total": e.generation_tokens_total, "max_model_len": llm.max_model_len}
+        return {
+            "model": model_name,
+            "running": e.num_running,
+            "waiting": e.num_waiting,
+            "kv_cache_usage": e.kv_cache_usage,
+            "tokens_per_second": llm.stats.tokens_per_second,
+            "prefix_cache_hit_rate": e.prefix_cache_hit_rate,
+            "num_preemptions": e.num_preemptions,
+            "generation_tokens_total": e.generation_tokens_total,
+            "max_model_len": llm.max_model_len,
+        }
 
     @app.get("/")
     async def index() -> FileResponse:

@@ -15,27 +15,36 @@ class ServerMetrics:
     def __init__(self, model_name: str) -> None:
         self.registry = CollectorRegistry()
         self._model_name = model_name
-        self.ttft = self._metric(Histogram, "time_to_first_token_seconds", "Time to first token",
-                                 buckets=_LATENCY_BUCKETS)
-        self.tpot = self._metric(Histogram, "time_per_output_token_seconds", "Time per output token after the first",
-                                 buckets=_TPOT_BUCKETS)
-        self.e2e = self._metric(Histogram, "e2e_request_latency_seconds", "End-to-end request latency",
-                                buckets=_LATENCY_BUCKETS)
+        self.ttft = self._metric(
+            Histogram, "time_to_first_token_seconds", "Time to first token", buckets=_LATENCY_BUCKETS
+        )
+        self.tpot = self._metric(
+            Histogram, "time_per_output_token_seconds", "Time per output token after the first", buckets=_TPOT_BUCKETS
+        )
+        self.e2e = self._metric(
+            Histogram, "e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS
+        )
         self.running = self._metric(Gauge, "num_requests_running", "Requests in the running batch")
         self.waiting = self._metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = self._metric(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use")
-        self.prefix_hit_rate = self._metric(Gauge, "prefix_cache_hit_rate",
-                                            "Prompt tokens served from the prefix cache")
+        self.prefix_hit_rate = self._metric(
+            Gauge, "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"
+        )
         self.preemptions = self._metric(Gauge, "num_preemptions", "Preemptions since start")
         self.prompt_tokens = self._metric(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = self._metric(Counter, "generation_tokens", "Generated tokens of finished requests")
-        self._requests = Counter("pagellm:request_success", "Finished requests by finish reason",
-                                 ["model_name", "finished_reason"], registry=self.registry)
+        self._requests = Counter(
+            "pagellm:request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=self.registry,
+        )
 
     def _metric(self, kind: type, name: str, documentation: str, **kwargs):
         """A `pagellm:<name>` metric of this registry, labelled with the served model's name."""
-        return kind(f"pagellm:{name}", documentation, ["model_name"], registry=self.registry,
-                    **kwargs).labels(self._model_name)
+        return kind(f"pagellm:{name}", documentation, ["model_name"], registry=self.registry, **kwargs).labels(
+            self._model_name
+        )
 
     def record_finished(self, out: RequestOutput) -> None:
         m = out.metrics

@@ -56,18 +56,34 @@ class OpenAIServing:
         prompts = req.prompts()
         ids = [self.llm.input_processor.tokenize(p) for p in prompts]
         texts = [p if isinstance(p, str) else self._decode(p) for p in prompts]
-        return Job("completion", self.model_name, ids, params, texts, echo=req.echo, include_usage=req.include_usage,
-                   top_logprobs=params.logprobs or 0)
+        return Job(
+            "completion",
+            self.model_name,
+            ids,
+            params,
+            texts,
+            echo=req.echo,
+            include_usage=req.include_usage,
+            top_logprobs=params.logprobs or 0,
+        )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        ids = tokenizer.chat_prompt_ids(req.conversation(), req.add_generation_prompt,
-                                        **(req.chat_template_kwargs or {}))
+        ids = tokenizer.chat_prompt_ids(
+            req.conversation(), req.add_generation_prompt, **(req.chat_template_kwargs or {})
+        )
         params = req.to_sampling_params()
-        return Job("chat", self.model_name, [self.llm.input_processor.tokenize(ids)], params, [""],
-                   include_usage=req.include_usage, top_logprobs=params.logprobs or 0)
+        return Job(
+            "chat",
+            self.model_name,
+            [self.llm.input_processor.tokenize(ids)],
+            params,
+            [""],
+            include_usage=req.include_usage,
+            top_logprobs=params.logprobs or 0,
+        )
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.llm.tokenizer is None else self.llm.tokenizer.decode(ids)
@@ -119,8 +135,14 @@ class OpenAIServing:
         task.result()
         outputs = [finals[i] for i in range(len(job.prompts))]
         choices = [self._choice(job, i, out, c) for i, out in enumerate(outputs) for c in out.outputs]
-        return {"id": job.response_id, "object": "text_completion" if job.kind == "completion" else "chat.completion",
-                "created": job.created, "model": job.model, "choices": choices, "usage": _usage(outputs)}
+        return {
+            "id": job.response_id,
+            "object": "text_completion" if job.kind == "completion" else "chat.completion",
+            "created": job.created,
+            "model": job.model,
+            "choices": choices,
+            "usage": _usage(outputs),
+        }
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE lines: one chunk per new text piece of each choice, a final usage chunk if asked, [DONE]."""
@@ -129,8 +151,19 @@ class OpenAIServing:
         finals: dict[int, RequestOutput] = {}
         if job.kind == "chat":
             for i in range(len(job.prompts) * job.n):
-                yield _sse(self._chunk(job, [{"index": i, "delta": {"role": "assistant", "content": ""},
-                                               "logprobs": None, "finish_reason": None}]))
+                yield _sse(
+                    self._chunk(
+                        job,
+                        [
+                            {
+                                "index": i,
+                                "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    )
+                )
         async for prompt_index, out in self._merged(job):
             if out.finished:
                 finals[prompt_index] = out
@@ -148,8 +181,11 @@ class OpenAIServing:
                 if delta or c.finished or new_logprobs:
                     sent[index] = len(c.text)
                     logprobs_sent[index] = len(c.logprobs or [])
-                    lp = None if new_logprobs is None else \
-                        self._logprobs(job, new_logprobs, c.token_ids[first_lp:], start)
+                    lp = (
+                        None
+                        if new_logprobs is None
+                        else self._logprobs(job, new_logprobs, c.token_ids[first_lp:], start)
+                    )
                     choices.append(self._stream_choice(job, index, delta, lp, c.finish_reason))
             if choices:
                 yield _sse(self._chunk(job, choices))
@@ -162,8 +198,7 @@ class OpenAIServing:
 
     def _chunk(self, job: Job, choices: list[dict]) -> dict:
         kind = "text_completion" if job.kind == "completion" else "chat.completion.chunk"
-        return {"id": job.response_id, "object": kind, "created": job.created, "model": job.model,
-                "choices": choices}
+        return {"id": job.response_id, "object": kind, "created": job.created, "model": job.model, "choices": choices}
 
     def _stream_choice(self, job: Job, index: int, text: str, logprobs: dict | None, finish: str | None) -> dict:
         if job.kind == "completion":
@@ -176,13 +211,24 @@ class OpenAIServing:
         logprobs = None if c.logprobs is None else self._logprobs(job, c.logprobs, c.token_ids, 0)
         if job.kind == "completion":
             text = (job.prompt_texts[prompt_index] if job.echo else "") + c.text
-            return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason}
-        return {"index": index, "message": {"role": "assistant", "content": c.text}, "logprobs": logprobs,
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            return {
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason,
+            }
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": logprobs,
+            "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        }
 
     def _logprobs(self, job: Job, positions: list[PositionLogprobs], token_ids: list[int], text_offset: int) -> dict:
         """OpenAI logprobs of generated tokens: `content` entries for chat, the legacy arrays for completions."""
+
         def text(token_id: int, entry: PositionLogprobs) -> str:
             decoded = entry[token_id].decoded_token
             return decoded if decoded is not None else str(token_id)
@@ -191,19 +237,32 @@ class OpenAIServing:
             content = []
             for tid, entry in zip(token_ids, positions):
                 top = sorted((lp.rank, t) for t, lp in entry.items() if lp.rank <= job.top_logprobs)
-                content.append({
-                    "token": text(tid, entry), "logprob": entry[tid].logprob, "bytes": list(text(tid, entry).encode()),
-                    "top_logprobs": [{"token": text(t, entry), "logprob": entry[t].logprob,
-                                      "bytes": list(text(t, entry).encode())} for _, t in top],
-                })
+                content.append(
+                    {
+                        "token": text(tid, entry),
+                        "logprob": entry[tid].logprob,
+                        "bytes": list(text(tid, entry).encode()),
+                        "top_logprobs": [
+                            {
+                                "token": text(t, entry),
+                                "logprob": entry[t].logprob,
+                                "bytes": list(text(t, entry).encode()),
+                            }
+                            for _, t in top
+                        ],
+                    }
+                )
             return {"content": content}
         tokens, offsets = [text(tid, e) for tid, e in zip(token_ids, positions)], []
         for tok in tokens:
             offsets.append(text_offset)
             text_offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [e[t].logprob for t, e in zip(token_ids, positions)],
-                "top_logprobs": [{text(t, e): lp.logprob for t, lp in e.items()} for e in positions],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e[t].logprob for t, e in zip(token_ids, positions)],
+            "top_logprobs": [{text(t, e): lp.logprob for t, lp in e.items()} for e in positions],
+            "text_offset": offsets,
+        }
 
 
 def _usage(outputs: list[RequestOutput]) -> dict:

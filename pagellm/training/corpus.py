@@ -20,11 +20,11 @@ TEMPLATES = [
     "found a {thing}. {name} was very {feeling}. {name} showed the {thing} to a friend, and they played all day. "
     "At the end of the day, {name} went home and slept well.",
     "One day, {name} went to the {place} with mom. {name} saw a {adj} {animal}. The {animal} had a {thing}. "
-    "\"Can I play with your {thing}?\" asked {name}. The {animal} said yes. {name} felt {feeling}. They became "
+    '"Can I play with your {thing}?" asked {name}. The {animal} said yes. {name} felt {feeling}. They became '
     "good friends.",
     "{name} had a {thing}. {name} loved the {thing} very much. But one day, the {thing} was lost at the {place}. "
     "{name} was {feeling}. A {adj} {animal} helped {name} look for it. They found the {thing} under a tree. "
-    "{name} said, \"Thank you!\"",
+    '{name} said, "Thank you!"',
     "There was a {adj} girl named {name}. She liked to go to the {place}. At the {place}, she met a {animal}. "
     "The {animal} was {feeling} because it lost its {thing}. {name} helped the {animal}. The {animal} was happy "
     "again.",
@@ -33,10 +33,17 @@ TEMPLATES = [
 
 def generate_stories(count: int, seed: int = 0) -> list[str]:
     rng = random.Random(seed)
-    return [rng.choice(TEMPLATES).format(name=rng.choice(NAMES), animal=rng.choice(ANIMALS),
-                                         place=rng.choice(PLACES), thing=rng.choice(THINGS),
-                                         feeling=rng.choice(FEELINGS), adj=rng.choice(ADJECTIVES))
-            for _ in range(count)]
+    return [
+        rng.choice(TEMPLATES).format(
+            name=rng.choice(NAMES),
+            animal=rng.choice(ANIMALS),
+            place=rng.choice(PLACES),
+            thing=rng.choice(THINGS),
+            feeling=rng.choice(FEELINGS),
+            adj=rng.choice(ADJECTIVES),
+        )
+        for _ in range(count)
+    ]
 
 
 def write_corpus(path: str | Path, stories: list[str]) -> Path:

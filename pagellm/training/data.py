@@ -109,8 +109,16 @@ class PackedStream:
     """Rows of `row_len` token ids packed from consecutive stories (each ending in EOS), cycling over the data
     for as many epochs as asked; its state is enough to resume exactly."""
 
-    def __init__(self, path: str | Path, encode: Callable[[str], list[int]], eos_id: int, row_len: int,
-                 split: str, val_every: int, state: StreamState | None = None) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        encode: Callable[[str], list[int]],
+        eos_id: int,
+        row_len: int,
+        split: str,
+        val_every: int,
+        state: StreamState | None = None,
+    ) -> None:
         self.path, self.encode, self.eos_id, self.row_len = path, encode, eos_id, row_len
         self.split, self.val_every = split, val_every
         self.state = state or StreamState()
@@ -137,7 +145,7 @@ class PackedStream:
             st.story_index = index + 1
             if is_validation(index, self.val_every) == (self.split == "val"):
                 st.buffer.extend(self.encode(story) + [self.eos_id])
-        row, st.buffer = st.buffer[:self.row_len], st.buffer[self.row_len:]
+        row, st.buffer = st.buffer[: self.row_len], st.buffer[self.row_len :]
         return row
 
     def state_dict(self) -> dict:

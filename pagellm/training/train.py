@@ -24,12 +24,33 @@ from pagellm.training.tokenizer_training import save_tokenizer, train_tokenizer
 
 # Shapes like the well-known TinyStories models (stories15M, stories110M); `tiny` is for tests.
 PRESETS = {
-    "tiny": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
-                 num_key_value_heads=4, seq_len=128, vocab_size=2048),
-    "15m": dict(hidden_size=288, intermediate_size=768, num_hidden_layers=6, num_attention_heads=6,
-                num_key_value_heads=6, seq_len=256, vocab_size=32000),
-    "110m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
-                 num_key_value_heads=12, seq_len=1024, vocab_size=32000),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        seq_len=128,
+        vocab_size=2048,
+    ),
+    "15m": dict(
+        hidden_size=288,
+        intermediate_size=768,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        seq_len=256,
+        vocab_size=32000,
+    ),
+    "110m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=12,
+        seq_len=1024,
+        vocab_size=32000,
+    ),
 }
 
 
@@ -63,9 +84,17 @@ class TrainConfig:
 
 def model_config(cfg: TrainConfig, vocab_size: int, eos_id: int) -> dict:
     shape = {k: v for k, v in PRESETS[cfg.preset].items() if k not in ("seq_len", "vocab_size")}
-    return dict(shape, vocab_size=vocab_size, max_position_embeddings=PRESETS[cfg.preset]["seq_len"],
-                rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=eos_id, eos_token_id=eos_id,
-                rope_theta=10000.0, torch_dtype="float32")
+    return dict(
+        shape,
+        vocab_size=vocab_size,
+        max_position_embeddings=PRESETS[cfg.preset]["seq_len"],
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        rope_theta=10000.0,
+        torch_dtype="float32",
+    )
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -74,6 +103,7 @@ def lr_lambda(cfg: TrainConfig):
             return (step + 1) / cfg.warmup_steps
         progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
     return factor
 
 
@@ -94,9 +124,12 @@ class Trainer:
         self.model = LlamaForCausalLM(LlamaConfig(**self.model_config)).to(self.device)
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
-        self.optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                            {"params": no_decay, "weight_decay": 0.0}], lr=cfg.lr,
-                                           betas=(0.9, 0.95), fused=self.device.type == "cuda")
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(0.9, 0.95),
+            fused=self.device.type == "cuda",
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(cfg))
         encode = lambda text: self.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
         train_state = PackedStream.state_from_dict(state["data"]) if state else None
@@ -136,12 +169,19 @@ class Trainer:
 
     def save(self) -> None:
         state = {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "step": self.step, "history": self.history,
-            "data": self.train_stream.state_dict(), "model_config": self.model_config,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "step": self.step,
+            "history": self.history,
+            "data": self.train_stream.state_dict(),
+            "model_config": self.model_config,
             "train_config": asdict(self.cfg),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None},
+            "rng": {
+                "torch": torch.get_rng_state(),
+                "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state() if self.device.type == "cuda" else None,
+            },
         }
         tmp = self.out / (CHECKPOINT + ".tmp")
         torch.save(state, tmp)
@@ -162,8 +202,9 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        stream = PackedStream(self.cfg.data, self.encode, self.tokenizer.eos_token_id, self.seq_len, "val",
-                              self.cfg.val_every)
+        stream = PackedStream(
+            self.cfg.data, self.encode, self.tokenizer.eos_token_id, self.seq_len, "val", self.cfg.val_every
+        )
         losses = [self._loss(self._batch(stream)).item() for _ in range(self.cfg.eval_batches)]
         self.model.train()
         return sum(losses) / len(losses)

@@ -21,15 +21,25 @@ GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return make_tiny_model(tmp_path_factory, "Llama", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                           num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
-                           max_position_embeddings=2048)
+    return make_tiny_model(
+        tmp_path_factory,
+        "Llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        vocab_size=1024,
+        max_position_embeddings=2048,
+    )
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 1024, (int(torch.randint(1, 300, (1,), generator=gen)),), generator=gen).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, 1024, (int(torch.randint(1, 300, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(n)
+    ]
 
 
 def tokens(llm: LLM, ps: list[list[int]], params: SamplingParams = GREEDY) -> list[list[int]]:
@@ -72,8 +82,9 @@ print("MISSES", sorted(set(misses)))
 def test_serving_compiles_no_kernel_after_start_up(model_dir):
     # A fresh process: this one's kernels were compiled by the tests before. Chunked prefills, decode batches of
     # every size up to 24 (graphs, and eager steps mixed with prefills), greedy, top-p, logprobs and penalties.
-    out = subprocess.run([sys.executable, "-c", SERVE_AFTER_START_UP, str(model_dir)], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", SERVE_AFTER_START_UP, str(model_dir)], capture_output=True, text=True, check=True
+    )
     assert out.stdout.strip().splitlines()[-1] == "MISSES []", out.stdout[-2000:]
 
 

@@ -79,8 +79,9 @@ def test_draws_across_chunks(monkeypatch, top_p):
     logits[:, spread] = LOGITS
     seeds = torch.randint(0, 2**62, (N,), generator=torch.Generator().manual_seed(1))
     ones = torch.ones(N, device=DEVICE)
-    tokens = sample_rows(logits.half().to(DEVICE), ones, torch.zeros(N, dtype=torch.int32, device=DEVICE),
-                         ones * top_p, seeds.to(DEVICE)).cpu()
+    tokens = sample_rows(
+        logits.half().to(DEVICE), ones, torch.zeros(N, dtype=torch.int32, device=DEVICE), ones * top_p, seeds.to(DEVICE)
+    ).cpu()
     assert torch.isin(tokens, spread).all()
     assert_law(torch.searchsorted(spread, tokens), nucleus(torch.softmax(LOGITS, 0), top_p))
 
@@ -110,8 +111,12 @@ def _rand_kernel(seeds_ptr, out_ptr, offset):
 
 @pytest.mark.parametrize("offset", [0, 1, 31])
 def test_philox_twin_is_triton_rand(offset):
-    seeds = torch.cat([torch.tensor([0, 1, 2**32 - 1, 2**32, 2**62 - 1]),
-                       torch.randint(0, 2**62, (59,), generator=torch.Generator().manual_seed(offset))])
+    seeds = torch.cat(
+        [
+            torch.tensor([0, 1, 2**32 - 1, 2**32, 2**62 - 1]),
+            torch.randint(0, 2**62, (59,), generator=torch.Generator().manual_seed(offset)),
+        ]
+    )
     out = torch.empty(seeds.numel(), device=DEVICE)
     _rand_kernel[(seeds.numel(),)](seeds.to(DEVICE), out, offset)
     assert torch.equal(out.cpu(), torch.from_numpy(reference.philox_uniform(seeds.numpy(), offset)))
@@ -131,8 +136,9 @@ def test_kernel_draws_the_twins_tokens():
     twin = reference.sample_rows(logits, inv_t, greedy, top_p, seeds)
     sampling.CHUNK, chunk = 16, sampling.CHUNK  # several chunks: round 0 picks a chunk, then a token in it
     try:
-        kernel = sample_rows(logits.to(DEVICE), inv_t.to(DEVICE), greedy.to(DEVICE), top_p.to(DEVICE),
-                             seeds.to(DEVICE)).cpu()
+        kernel = sample_rows(
+            logits.to(DEVICE), inv_t.to(DEVICE), greedy.to(DEVICE), top_p.to(DEVICE), seeds.to(DEVICE)
+        ).cpu()
     finally:
         sampling.CHUNK = chunk
     assert torch.equal(kernel, twin)

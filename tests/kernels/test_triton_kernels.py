@@ -42,7 +42,7 @@ def fill_sequences(seq_lens, block_size, num_blocks, kv_heads, dim, dtype, kv_dt
     tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
     for i, s in enumerate(seq_lens):
         blocks = [perm.pop() for _ in range(-(-s // block_size))]
-        tables[i, :len(blocks)] = torch.tensor(blocks)
+        tables[i, : len(blocks)] = torch.tensor(blocks)
         pos = torch.arange(s)
         slots = (torch.tensor(blocks)[pos // block_size] * block_size + pos % block_size).to(DEVICE)
         k = torch.randn(s, kv_heads, dim, generator=gen).to(DEVICE, dtype)
@@ -59,21 +59,30 @@ def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
     block_size = 16
     seq_lens = [1, 15, 16, 17, 100, 1100]  # odd, block-boundary, and longer than one split
     kv_dtype = torch.int8 if kv_int8 else dtype
-    key_cache, value_cache, scales, tables = fill_sequences(seq_lens, block_size, 128, kv_heads, dim, dtype,
-                                                            kv_dtype, gen)
+    key_cache, value_cache, scales, tables = fill_sequences(
+        seq_lens, block_size, 128, kv_heads, dim, dtype, kv_dtype, gen
+    )
     q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
-                                    value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
-                                    1, max(seq_lens), *scales)
+    ref = reference.paged_attention(
+        q.float(),
+        key_cache if kv_int8 else key_cache.float(),
+        value_cache if kv_int8 else value_cache.float(),
+        tables,
+        qsl,
+        lens,
+        dim**-0.5,
+        1,
+        max(seq_lens),
+        *scales,
+    )
     for num_seqs in (len(seq_lens), 64):  # the small-batch split size (finer) and the large-batch one
         split = split_size_for(2048, num_seqs, kv_int8, block_size)
-        out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, max(seq_lens), split,
-                                     *scales)
+        out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim**-0.5, max(seq_lens), split, *scales)
         assert rel_err(out, ref) < TOL[dtype]
         # A grid sized for a longer max length (as under CUDA-graph capture) gives the same result.
-        wide = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim ** -0.5, 2048, split, *scales)
+        wide = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim**-0.5, 2048, split, *scales)
         assert torch.equal(wide, out)
 
 
@@ -85,14 +94,24 @@ def test_decode_attention_block_sizes(kv_int8, block_size):
     seq_lens = [1, 9, 130, 300]
     kv_dtype = torch.int8 if kv_int8 else torch.float16
     num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    key_cache, value_cache, scales, tables = fill_sequences(seq_lens, block_size, num_blocks, 2, 64, torch.float16,
-                                                            kv_dtype, gen)
+    key_cache, value_cache, scales, tables = fill_sequences(
+        seq_lens, block_size, num_blocks, 2, 64, torch.float16, kv_dtype, gen
+    )
     q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE, torch.float16)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
-                                    value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, 0.125, 1,
-                                    max(seq_lens), *scales)
+    ref = reference.paged_attention(
+        q.float(),
+        key_cache if kv_int8 else key_cache.float(),
+        value_cache if kv_int8 else value_cache.float(),
+        tables,
+        qsl,
+        lens,
+        0.125,
+        1,
+        max(seq_lens),
+        *scales,
+    )
     split = split_size_for(512, len(seq_lens), kv_int8, block_size)
     out = paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, max(seq_lens), split, *scales)
     assert rel_err(out, ref) < TOL[torch.float16]
@@ -110,16 +129,26 @@ def test_prefill_attention(dtype, kv_int8, heads, kv_heads, dim):
     # (query_len, seq_len): whole prompts, chunks after a cached prefix, decode rows mixed in.
     seqs = [(7, 7), (33, 33), (20, 52), (1, 40), (16, 16), (70, 90)]
     kv_dtype = torch.int8 if kv_int8 else dtype
-    key_cache, value_cache, scales, tables = fill_sequences([s for _, s in seqs], block_size, 64, kv_heads, dim,
-                                                            dtype, kv_dtype, gen)
+    key_cache, value_cache, scales, tables = fill_sequences(
+        [s for _, s in seqs], block_size, 64, kv_heads, dim, dtype, kv_dtype, gen
+    )
     q_lens = [q for q, _ in seqs]
     q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(DEVICE, dtype)
     qsl = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
     lens = torch.tensor([s for _, s in seqs], dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(q.float(), key_cache if kv_int8 else key_cache.float(),
-                                    value_cache if kv_int8 else value_cache.float(), tables, qsl, lens, dim ** -0.5,
-                                    max(q_lens), max(lens.tolist()), *scales)
-    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, dim ** -0.5, max(q_lens), *scales)
+    ref = reference.paged_attention(
+        q.float(),
+        key_cache if kv_int8 else key_cache.float(),
+        value_cache if kv_int8 else value_cache.float(),
+        tables,
+        qsl,
+        lens,
+        dim**-0.5,
+        max(q_lens),
+        max(lens.tolist()),
+        *scales,
+    )
+    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, dim**-0.5, max(q_lens), *scales)
     assert rel_err(out, ref) < TOL[dtype]
 
 
@@ -132,8 +161,8 @@ def test_write_kv(dtype, kv_int8, kv_heads, dim):
     tokens = 37
     # A strided view, as the model passes slices of the fused qkv output.
     qkv = torch.randn(tokens, 3 * kv_heads * dim, generator=gen).to(DEVICE, dtype)
-    k = qkv[:, :kv_heads * dim].view(tokens, kv_heads, dim)
-    v = qkv[:, kv_heads * dim:2 * kv_heads * dim].view(tokens, kv_heads, dim)
+    k = qkv[:, : kv_heads * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, kv_heads * dim : 2 * kv_heads * dim].view(tokens, kv_heads, dim)
     slots = torch.randperm(8 * 16, generator=gen)[:tokens].to(DEVICE)
     slots[5] = -1  # padding
     ref_cache = make_cache(8, 16, kv_heads, dim, kv_dtype, gen)
@@ -179,14 +208,18 @@ def test_rope(dtype, heads, kv_heads, dim, rope_type, qk_norm):
     cache = RotaryEmbedding(dim, 4096, rope, TorchOps()).cos_sin_cache.to(DEVICE)
     tokens = 19
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
-    q = qkv[:, :heads * dim].view(tokens, heads, dim)
-    k = qkv[:, heads * dim:(heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
     positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
     if qk_norm:  # Qwen3: each head RMS-normalized with its own weight, then rotated
         q_weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
         k_weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
-        ref_q, ref_k = reference.apply_rope(reference.rms_norm(q, q_weight, 1e-6)[0].float(),
-                                            reference.rms_norm(k, k_weight, 1e-6)[0].float(), positions, cache)
+        ref_q, ref_k = reference.apply_rope(
+            reference.rms_norm(q, q_weight, 1e-6)[0].float(),
+            reference.rms_norm(k, k_weight, 1e-6)[0].float(),
+            positions,
+            cache,
+        )
         apply_rope_(q, k, positions, cache, q_weight, k_weight, 1e-6)
     else:
         ref_q, ref_k = reference.apply_rope(q.float(), k.float(), positions, cache)

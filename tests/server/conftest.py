@@ -29,8 +29,7 @@ class RunningServer:
         deadline = time.time() + timeout
         while time.time() < deadline:
             stats = self.llm.stats.engine
-            if stats.num_running == 0 and stats.num_waiting == 0 and \
-                    stats.num_free_blocks == stats.num_blocks:
+            if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_blocks:
                 return
             time.sleep(0.05)
         raise AssertionError(f"engine not idle: {self.llm.stats.engine}")

@@ -8,8 +8,16 @@ from pathlib import Path
 import pytest
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +41,9 @@ def test_send_streams_text_and_shows_stats(page, server):
     page.click("#send")
     bubble = page.locator(".msg.assistant").last
     # While streaming the stop button is live and the bubble grows.
-    page.wait_for_function("document.querySelector('.msg.assistant') && "
-                           "document.querySelector('.msg.assistant').textContent.length > 0")
+    page.wait_for_function(
+        "document.querySelector('.msg.assistant') && document.querySelector('.msg.assistant').textContent.length > 0"
+    )
     page.wait_for_function("!document.querySelector('.msg.assistant.streaming')", timeout=60_000)
     assert "Paris" in bubble.text_content()
     assert page.text_content("#stat-ttft").endswith("ms")
@@ -51,8 +60,9 @@ def test_stop_button_aborts_the_request(page, server):
     page.fill("#max-tokens", "2000")
     page.fill("#prompt", "Write a very long story about a dragon and a knight.")
     page.click("#send")
-    page.wait_for_function("(document.querySelector('.msg.assistant:last-child') || {}).textContent?.length > 20",
-                           timeout=60_000)
+    page.wait_for_function(
+        "(document.querySelector('.msg.assistant:last-child') || {}).textContent?.length > 20", timeout=60_000
+    )
     page.click("#stop")
     page.wait_for_function("document.querySelector('.msg.assistant:last-child .meta')?.textContent === 'stopped'")
     assert page.is_enabled("#send") and not page.is_enabled("#stop")

@@ -23,17 +23,20 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, te
         assert text in err["message"], err
 
 
-@pytest.mark.parametrize("body,param", [
-    ({**CHAT, "temperature": -1}, "temperature"),
-    ({**CHAT, "top_p": 0}, "top_p"),
-    ({**CHAT, "max_tokens": -3}, "max_tokens"),
-    ({**CHAT, "n": 0}, "n"),
-    ({**CHAT, "top_logprobs": 50, "logprobs": True}, "logprobs"),
-    ({**CHAT, "messages": []}, "messages"),
-    ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
-    ({"model": MODEL, "max_tokens": 4}, "messages"),
-    ({**CHAT, "temperature": "hot"}, "temperature"),
-])
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({**CHAT, "temperature": -1}, "temperature"),
+        ({**CHAT, "top_p": 0}, "top_p"),
+        ({**CHAT, "max_tokens": -3}, "max_tokens"),
+        ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "top_logprobs": 50, "logprobs": True}, "logprobs"),
+        ({**CHAT, "messages": []}, "messages"),
+        ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
+        ({"model": MODEL, "max_tokens": 4}, "messages"),
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+    ],
+)
 def test_bad_chat_fields(server, body, param):
     assert_error(httpx.post(f"{server.url}/v1/chat/completions", json=body), 400, param)
 
@@ -63,8 +66,13 @@ def test_api_key(secured_server):
 def test_concurrent_streams_with_hangups_free_every_block(server):
     async def one(client: AsyncOpenAI, i: int) -> str:
         stream = await client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": f"Tell me a story about the number {i}."}],
-            max_tokens=40, temperature=0.8, seed=i, stream=True)
+            model=MODEL,
+            messages=[{"role": "user", "content": f"Tell me a story about the number {i}."}],
+            max_tokens=40,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+        )
         text, chunks = "", 0
         async for chunk in stream:
             chunks += 1

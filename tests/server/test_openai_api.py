@@ -18,20 +18,32 @@ def test_models(client):
 
 
 def test_chat_paris(client, server):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content":
-                                          "What is the capital of France?"}], temperature=0, max_tokens=32)
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0,
+        max_tokens=32,
+    )
     assert "Paris" in resp.choices[0].message.content
     assert resp.choices[0].finish_reason == "stop"
-    assert resp.usage.completion_tokens > 0 and resp.usage.total_tokens == resp.usage.prompt_tokens + \
-        resp.usage.completion_tokens
+    assert (
+        resp.usage.completion_tokens > 0
+        and resp.usage.total_tokens == resp.usage.prompt_tokens + resp.usage.completion_tokens
+    )
     server.wait_idle()
 
 
 def test_chat_stream_matches_non_stream_and_reports_usage(client):
     messages = [{"role": "user", "content": "Name three fruits."}]
     whole = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24)
-    stream = client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=24,
-                                            stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     pieces, usage, finish, roles = [], None, None, []
     for chunk in stream:
         if chunk.usage:
@@ -48,8 +60,7 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client):
 
 
 def test_completions_with_logprobs_echo_stop_and_n(client):
-    resp = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=12,
-                                     logprobs=2)
+    resp = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=12, logprobs=2)
     choice = resp.choices[0]
     assert len(choice.logprobs.tokens) == 12 == resp.usage.completion_tokens
     assert "".join(choice.logprobs.tokens) == choice.text
@@ -61,11 +72,12 @@ def test_completions_with_logprobs_echo_stop_and_n(client):
 
     stop = choice.text[5:9]
     cut = client.completions.create(model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=12, stop=[stop])
-    assert cut.choices[0].text == choice.text[:choice.text.index(stop)]
+    assert cut.choices[0].text == choice.text[: choice.text.index(stop)]
     assert cut.choices[0].finish_reason == "stop"
 
-    many = client.completions.create(model=MODEL, prompt=["Hello", "The sea is"], n=3, temperature=1.0, seed=5,
-                                     max_tokens=6)
+    many = client.completions.create(
+        model=MODEL, prompt=["Hello", "The sea is"], n=3, temperature=1.0, seed=5, max_tokens=6
+    )
     assert sorted(c.index for c in many.choices) == list(range(6))
 
 
@@ -79,8 +91,14 @@ def test_completion_stream_with_token_ids_prompt(client, server):
 
 
 def test_chat_logprobs(client):
-    resp = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], temperature=0,
-                                          max_tokens=5, logprobs=True, top_logprobs=3)
+    resp = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Hi"}],
+        temperature=0,
+        max_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+    )
     content = resp.choices[0].logprobs.content
     assert len(content) == resp.usage.completion_tokens
     for item in content:
@@ -99,8 +117,15 @@ def test_metrics_exposed(client, server):
 
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
-    for name in ["pagellm:time_to_first_token_seconds_bucket", "pagellm:time_per_output_token_seconds_bucket",
-                 "pagellm:e2e_request_latency_seconds_count", "pagellm:num_requests_running",
-                 "pagellm:num_requests_waiting", "pagellm:kv_cache_usage_perc", "pagellm:prefix_cache_hit_rate",
-                 "pagellm:prompt_tokens_total", "pagellm:generation_tokens_total"]:
+    for name in [
+        "pagellm:time_to_first_token_seconds_bucket",
+        "pagellm:time_per_output_token_seconds_bucket",
+        "pagellm:e2e_request_latency_seconds_count",
+        "pagellm:num_requests_running",
+        "pagellm:num_requests_waiting",
+        "pagellm:kv_cache_usage_perc",
+        "pagellm:prefix_cache_hit_rate",
+        "pagellm:prompt_tokens_total",
+        "pagellm:generation_tokens_total",
+    ]:
         assert name in text, name

@@ -13,8 +13,12 @@ from tests.server.conftest import free_port
 
 def test_serve_default_model_prints_url_and_answers():
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "pagellm.cli", "serve", "--port", str(port), "--device", "cpu",
-                             "--quiet"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(port), "--device", "cpu", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         line = ""
         deadline = time.time() + 120

@@ -45,9 +45,21 @@ def test_packed_stream_resumes_exactly(corpus):
 
 
 def config(corpus, out, **kw) -> TrainConfig:
-    base = dict(data=str(corpus), output=str(out), preset="tiny", max_steps=300, batch_size=16, lr=3e-3,
-                warmup_steps=20, eval_every=100, save_every=100, eval_batches=4, vocab_size=512, device="cpu",
-                quiet=True)
+    base = dict(
+        data=str(corpus),
+        output=str(out),
+        preset="tiny",
+        max_steps=300,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=20,
+        eval_every=100,
+        save_every=100,
+        eval_batches=4,
+        vocab_size=512,
+        device="cpu",
+        quiet=True,
+    )
     return TrainConfig(**{**base, **kw})
 
 
@@ -91,9 +103,9 @@ def test_export_loads_in_hf_and_pagellm_with_identical_greedy_tokens(trained):
         assert out_.prompt_token_ids == ids[0].tolist()
         with torch.no_grad():
             ref = hf.generate(ids, max_new_tokens=30, do_sample=False, pad_token_id=tokenizer.eos_token_id)
-        ref_tokens = ref[0, ids.shape[1]:].tolist()
+        ref_tokens = ref[0, ids.shape[1] :].tolist()
         got = out_.outputs[0].token_ids
-        assert got == ref_tokens[:len(got)]  # both stop at EOS
+        assert got == ref_tokens[: len(got)]  # both stop at EOS
         assert len(got) == len(ref_tokens)
     assert "named" in outs[0].outputs[0].text or "." in outs[0].outputs[0].text
 
@@ -102,5 +114,6 @@ def test_convert_checkpoint_cli(trained, tmp_path):
     from pagellm.cli import main
 
     assert main(["convert", "--checkpoint", str(trained[0]), "--output", str(tmp_path / "hf")]) == 0
-    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= \
-        {p.name for p in (tmp_path / "hf").iterdir()}
+    assert {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json"} <= {
+        p.name for p in (tmp_path / "hf").iterdir()
+    }
