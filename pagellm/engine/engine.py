@@ -4,9 +4,11 @@ outputs), and stops what a stop string ended."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig, ModelConfig, resolve_max_model_len
@@ -74,8 +76,11 @@ class Engine:
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
 
-    def _phase(self, name: str):
-        return _Timed(self.startup_seconds, name)
+    @contextlib.contextmanager
+    def _phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.startup_seconds[name] = time.perf_counter() - start
 
     # ---- requests in ----------------------------------------------------------------------------------------
 
@@ -143,16 +148,3 @@ class Engine:
 class _InFlight:
     step: SchedulerOutput
     launched: LaunchedStep
-
-
-class _Timed:
-    """Adds the seconds its `with` block takes to `into[name]`."""
-
-    def __init__(self, into: dict[str, float], name: str) -> None:
-        self.into, self.name = into, name
-
-    def __enter__(self) -> None:
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc: object) -> None:
-        self.into[self.name] = time.perf_counter() - self.start
