@@ -84,14 +84,14 @@ class ModelRunner:
             self.model = model_class(model_config)(model_config, self.backend, self.ops, max_positions)
         self.model.eval()
         self.sampler = Sampler(engine_config.seed, self.device, self.ops)
+        self.kv_caches: list[LayerKVCache] = []
+        self.num_blocks = 0
+        self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists; warm-ups run eagerly
+        self._last_launched: LaunchedStep | None = None  # whose sampled tokens a look-ahead step feeds on
         self._compilation = self._start_compiling()
         load_weights(self.model, model_dir, engine_config.load_format, engine_config.seed, engine_config.quiet)
         if can_pack_for_cpu(self.device, self.dtype):
             self.model.pack_for_cpu()
-        self.kv_caches: list[LayerKVCache] = []
-        self.num_blocks = 0
-        self.graphs: DecodeGraphs | None = None
-        self._last_launched: LaunchedStep | None = None  # whose sampled tokens a look-ahead step feeds on
 
     # ---- start-up -------------------------------------------------------------------------------------------
 
