@@ -79,6 +79,18 @@ def served_model_name(model: str | None) -> str:
     return str(model)
 
 
+def _json_list(text: str) -> list[str]:
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError('must be a JSON list of strings, like ["*"]')
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import os
 
@@ -91,12 +103,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
     llm = AsyncLLM(EngineConfig(**engine_kwargs(args)))
     name = args.served_model_name or served_model_name(args.model)
     app = create_app(
-        llm, name, api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"), max_body_bytes=args.max_body_bytes
+        llm,
+        name,
+        api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
+        max_body_bytes=args.max_body_bytes,
+        allowed_origins=args.allowed_origins,
     )
     url = f"http://{args.host}:{args.port}"
     print(f"pagellm: serving {name} — demo page {url}/ — OpenAI API {url}/v1", flush=True)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+        # On SIGTERM uvicorn stops accepting, waits up to the timeout for running requests, then cancels them
+        # (which aborts them in the engine).
+        uvicorn.run(
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level,
+            timeout_graceful_shutdown=args.shutdown_timeout,
+        )
     finally:
         llm.shutdown()
 
@@ -163,6 +187,18 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGELLM_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    serve.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help='CORS: origins allowed to call the API from a browser, as a JSON list (default ["*"])',
+    )
+    serve.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0.0,
+        help="seconds that SIGTERM waits for running requests to finish before aborting them (default 0: abort)",
+    )
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)

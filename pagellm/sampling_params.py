@@ -33,6 +33,7 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -46,6 +47,7 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k in (None, -1):  # vLLM spells "no top-k" as -1
             self.top_k = 0
         self._validate()
@@ -87,6 +89,14 @@ class SamplingParams:
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "a list of non-negative token ids",
             ),
+            (
+                "logit_bias",
+                all(
+                    isinstance(t, int) and t >= 0 and isinstance(b, int | float) and -100 <= b <= 100
+                    for t, b in self.logit_bias.items()
+                ),
+                "a map of non-negative token ids to biases in [-100, 100]",
+            ),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -108,4 +118,6 @@ class SamplingParams:
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n samples: one output each, seeds kept distinct."""
         seed = None if self.seed is None else self.seed + index
-        return replace(self, n=1, seed=seed, all_stop_token_ids=set(self.all_stop_token_ids))
+        return replace(
+            self, n=1, seed=seed, all_stop_token_ids=set(self.all_stop_token_ids), logit_bias=dict(self.logit_bias)
+        )

@@ -14,6 +14,29 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Names that apply_chat_template or the template itself already binds: extra template variables cannot take them.
+RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {
+        "messages",
+        "conversation",
+        "tools",
+        "documents",
+        "add_generation_prompt",
+        "continue_final_message",
+        "chat_template",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "bos_token",
+        "eos_token",
+        "raise_exception",
+    }
+)
 
 
 class Tokenizer:
@@ -41,30 +64,48 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self.hf)
 
-    def encode(self, text: str) -> list[int]:
-        return self.hf.encode(text, add_special_tokens=True)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
+        """The conversation as the model's chat template writes it; `template_kwargs` are extra template variables
+        (e.g. enable_thinking)."""
         if not self.hf.chat_template:
             raise InvalidParameter(
                 "messages", "messages: this model's tokenizer has no chat template; send a plain prompt instead"
             )
+        template_kwargs = template_kwargs or {}
+        taken = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs))
+        if taken:
+            raise InvalidParameter(
+                "chat_template_kwargs",
+                f"chat_template_kwargs: {', '.join(taken)} is set by the server, not the request",
+            )
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
         except TemplateError as exc:
             raise InvalidParameter("messages", f"messages: the chat template rejected them: {exc}") from exc
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
+            # The template is the model's code run on the request's data: a crash in it is the request's fault.
+            raise InvalidParameter("messages", f"messages: the chat template failed on them: {exc!r}") from exc
 
     def chat_prompt_ids(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
         # The template already wrote the special tokens (BOS and role markers): add none.
         return self.hf.encode(text, add_special_tokens=False)
 

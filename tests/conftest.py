@@ -19,7 +19,7 @@ torch.set_num_threads(2)
 
 # The slow tier (`make test-fast` leaves it out): the real model and its HF oracle, a live server and browser,
 # training, and kernels run by the Triton interpreter.
-SLOW_FIXTURES = {"smollm2_gguf", "smollm2_llm", "hf_smollm2", "async_llm", "server", "secured_server"}
+SLOW_FIXTURES = {"smollm2_gguf", "smollm2_llm", "hf_smollm2", "async_llm", "server", "secured_server", "tiny_server"}
 SLOW_DIRS = ("kernels", "server", "training")
 
 

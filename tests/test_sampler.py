@@ -7,8 +7,9 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.core.step import SamplingRow
+from pagellm.errors import InvalidParameter
 from pagellm.kernels.ops import TorchOps
-from pagellm.runner.sampler import Sampler, apply_penalties
+from pagellm.runner.sampler import Sampler, apply_logit_bias, apply_penalties
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -67,6 +68,41 @@ def test_min_p():
 
 def test_greedy_is_argmax():
     assert sample_counts(SamplingParams(temperature=0))[0] == 1.0
+
+
+def test_logit_bias_shifts_the_law_by_exp_bias():
+    bias = {0: -2.0, 3: 1.5, 7: 4.0}
+    shifted = LOGITS.clone()
+    for token, b in bias.items():
+        shifted[token] += b
+    assert_close_to(sample_counts(SamplingParams(logit_bias=bias)), torch.softmax(shifted, 0))
+
+
+def test_logit_bias_rows_are_their_own():
+    logits = torch.zeros(3, 5)
+    rows = [
+        SamplingRow(SamplingParams(logit_bias={1: 2.0}), 0, [0], []),
+        SamplingRow(SamplingParams(), 0, [0], []),
+        SamplingRow(SamplingParams(logit_bias={4: -1.0, 1: 0.5}), 0, [0], []),
+    ]
+    out = apply_logit_bias(logits, rows)
+    expected = torch.zeros(3, 5)
+    expected[0, 1], expected[2, 4], expected[2, 1] = 2.0, -1.0, 0.5
+    assert torch.equal(out, expected) and torch.equal(logits, torch.zeros(3, 5))  # the model's logits untouched
+
+
+def test_logit_bias_in_the_engine(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    free = llm.generate([[1, 2, 3]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={77: 100})
+    assert llm.generate([[1, 2, 3]], forced, use_tqdm=False)[0].outputs[0].token_ids == [77] * 6
+    banned = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={free[0]: -100})
+    assert llm.generate([[1, 2, 3]], banned, use_tqdm=False)[0].outputs[0].token_ids[0] != free[0]
+    with pytest.raises(InvalidParameter, match="logit_bias"):
+        llm.generate([[1, 2, 3]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(InvalidParameter, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101.0})
 
 
 def test_penalties_follow_their_formulas():

@@ -40,12 +40,25 @@ class _Stream:
     outputs: asyncio.Queue
 
 
-@dataclass
+RATE_WINDOW_S = 5.0
+
+
+@dataclass(frozen=True)
 class LiveStats:
     """What the engine thread publishes after each step (read by /metrics and the demo page)."""
 
     engine: EngineStats
-    tokens_per_second: float = 0.0  # generated tokens/s over the last few seconds
+    recent: tuple[tuple[float, int], ...] = ()  # (time, generation_tokens_total) after the steps of the window
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Generated tokens/s over the last RATE_WINDOW_S seconds up to now, so it falls to 0 once idle."""
+        now = time.time()
+        points = [(t, n) for t, n in self.recent if now - t <= RATE_WINDOW_S]
+        if len(points) < 2:
+            return 0.0
+        (t0, n0), (_, n1) = points[0], points[-1]
+        return (n1 - n0) / max(now - t0, 1e-3)
 
 
 class AsyncLLM:
@@ -55,7 +68,6 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._recent: list[tuple[float, int]] = []  # (time, generation_tokens_total then)
         self.stats = LiveStats(self.engine.stats())
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
@@ -142,14 +154,13 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self.stats = LiveStats(self.engine.stats(), self.stats.tokens_per_second)
+        self.stats = LiveStats(self.engine.stats(), self.stats.recent)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         stats = self.engine.stats()
         now = time.time()
-        self._recent = [(t, n) for t, n in self._recent if now - t <= 5.0] + [(now, stats.generation_tokens_total)]
-        (t0, n0), (t1, n1) = self._recent[0], self._recent[-1]
-        self.stats = LiveStats(stats, (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0)
+        recent = tuple((t, n) for t, n in self.stats.recent if now - t <= RATE_WINDOW_S)
+        self.stats = LiveStats(stats, (*recent, (now, stats.generation_tokens_total)))
         with self._lock:
             targets = [(self._streams.get(out.request_id), out) for out in outputs]
         for stream, out in targets:

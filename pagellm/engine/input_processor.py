@@ -69,6 +69,10 @@ class InputProcessor:
         """Validate a request and fan it out into its n samples. The caller's `params` is left as it was: each
         sample gets its own copy, with the model's EOS ids as stop tokens unless ignore_eos."""
         ids = self.tokenize(prompt)
+        if params is not None:
+            for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
+                if any(t >= self.vocab_size for t in token_ids):
+                    raise InvalidParameter(name, f"{name}: token ids must be in [0, {self.vocab_size})")
         params = replace(
             params or SamplingParams(),
             all_stop_token_ids=set() if (params and params.ignore_eos) else set(self.eos_token_ids),

@@ -69,7 +69,7 @@ class LLM:
         _check_messages(conversation)
         if self.tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, **(chat_template_kwargs or {}))
+        return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, chat_template_kwargs)
 
     def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).

@@ -200,7 +200,8 @@ def _completion(sample: _Sample) -> CompletionOutput:
         text=text,
         token_ids=list(sample.token_ids),
         finish_reason=sample.finish_reason,
-        logprobs=sample.logprobs,
+        # Copies: the engine thread goes on appending to its lists while a consumer reads this output.
+        logprobs=None if sample.logprobs is None else list(sample.logprobs),
         stop_reason=sample.stop_reason,
         cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
     )

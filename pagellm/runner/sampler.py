@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
 `prepare(rows)` builds the per-row inputs (their host-to-device copies overlap the forward pass) and
 `sample(logits, inputs)` only enqueues device work, so the engine can launch the next step before this one's tokens
@@ -99,6 +99,7 @@ class Sampler:
             return SampledTokens(self._draw(logits, inputs), None, want)
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
+        logits = apply_logit_bias(logits, inputs.rows)
         logits = apply_penalties(logits, inputs.rows)
         logits = mask_stop_tokens_before_min(logits, inputs.rows)
         if inputs.all_greedy:
@@ -121,10 +122,26 @@ def _temperature_and_top_p_only(params: SamplingParams) -> bool:
     return (
         params.logprobs is None
         and not params.has_penalties
+        and not params.logit_bias
         and params.min_tokens == 0
         and params.min_p == 0
         and not params.top_k
     )
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """OpenAI's logit_bias: each row's biases added to its logits (a new tensor: the model's stays as it was)."""
+    row_ids, cols, biases = [], [], []
+    for i, row in enumerate(rows):
+        for token, bias in row.params.logit_bias.items():
+            row_ids.append(i)
+            cols.append(token)
+            biases.append(bias)
+    if not row_ids:
+        return logits
+    device = logits.device
+    index = (row_values(row_ids, device, torch.int64), row_values(cols, device, torch.int64))
+    return logits.index_put(index, row_values(biases, device), accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -6,19 +6,23 @@ can fix. Nothing a client sends reaches the engine thread unvalidated, so no req
 
 from __future__ import annotations
 
-import secrets
+import asyncio
 import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from fastapi.staticfiles import StaticFiles
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.errors import InvalidParameter
 from pagellm.server.metrics import ServerMetrics
+from pagellm.server.middleware import ApiKeyAuth, BodyLimit
 from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from pagellm.server.serving import Job, OpenAIServing
 
@@ -47,25 +51,28 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 
 def create_app(
-    llm: AsyncLLM, model_name: str, api_key: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    llm: AsyncLLM,
+    model_name: str,
+    api_key: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     app = FastAPI(title="pagellm", version="0.1.0")
     metrics = ServerMetrics(model_name)
     serving = OpenAIServing(llm, model_name, metrics)
     started = int(time.time())
 
-    @app.middleware("http")
-    async def guard(request: Request, call_next):
-        length = request.headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > max_body_bytes):
-            return error_response(413, f"request body over the limit of {max_body_bytes} bytes")
-        if api_key is not None and request.url.path.startswith(("/v1", "/tokenize", "/detokenize")):
-            supplied = request.headers.get("authorization", "")
-            if not secrets.compare_digest(supplied.encode(), f"Bearer {api_key}".encode()):
-                return error_response(
-                    401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key"
-                )
-        return await call_next(request)
+    # Each middleware added wraps the ones before: CORS, the outermost, answers preflights and labels every
+    # answer, a 401 or a 413 included.
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes, error_response=error_response)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key, error_response=error_response)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=allowed_origins if allowed_origins is not None else ["*"],
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request: Request, exc: RequestValidationError):
@@ -74,6 +81,10 @@ def create_app(
         param = ".".join(loc) or None
         if first.get("type") == "json_invalid":
             return error_response(400, "request body is not valid JSON", None, "invalid_json")
+        if first.get("type") == "extra_forbidden":
+            return error_response(
+                400, f"{param}: unknown field; this server does not take it", param, "invalid_request"
+            )
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         return error_response(400, message, param, "invalid_request")
 
@@ -119,34 +130,37 @@ def create_app(
     async def respond(job: Job, stream: bool, request: Request):
         if stream:
             return StreamingResponse(serving.stream(job), media_type="text/event-stream")
-        result = await serving.run(job, request.is_disconnected)
+        result = await serving.run(job, lambda: client_gone(request))
         return Response(status_code=499) if result is None else result  # the client left
 
-    @app.post("/v1/completions")
+    # Tokenizing and rendering a chat template take seconds for megabytes of text: a worker thread does it (the
+    # tokenizer releases the GIL), so the event loop keeps serving /health and every other stream meanwhile.
+    @app.post("/v1/completions", responses=ERROR_RESPONSES)
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
-        return await respond(serving.completion_job(body), body.stream, request)
+        return await respond(await asyncio.to_thread(serving.completion_job, body), body.stream, request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=ERROR_RESPONSES)
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        return await respond(serving.chat_job(body), body.stream, request)
+        return await respond(await asyncio.to_thread(serving.chat_job, body), body.stream, request)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses=ERROR_RESPONSES)
     async def tokenize(body: TokenizeRequest) -> dict:
         check_model(body.model)
-        tokenizer = llm.tokenizer
-        if tokenizer is None:
-            raise InvalidParameter("model", "this model has no tokenizer")
         if (body.prompt is None) == (body.messages is None):
             raise InvalidParameter("prompt", "send exactly one of 'prompt' and 'messages'")
         if body.messages is not None:
-            tokens = tokenizer.chat_prompt_ids([{"role": m.role, "content": m.text()} for m in body.messages])
+            tokens = await asyncio.to_thread(
+                serving.chat_prompt_ids, body.messages, body.add_generation_prompt, body.chat_template_kwargs
+            )
         else:
-            tokens = tokenizer.hf.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            if llm.tokenizer is None:
+                raise InvalidParameter("prompt", "prompt: this model has no tokenizer")
+            tokens = await asyncio.to_thread(llm.tokenizer.encode, body.prompt, body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": llm.max_model_len}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses=ERROR_RESPONSES)
     async def detokenize(body: DetokenizeRequest) -> dict:
         check_model(body.model)
         if llm.tokenizer is None:
@@ -154,7 +168,7 @@ def create_app(
         vocab = llm.engine.model_config.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidParameter("tokens", f"tokens: ids must be in [0, {vocab})")
-        return {"prompt": llm.tokenizer.decode(body.tokens, skip_special_tokens=False)}
+        return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens, False)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -162,22 +176,63 @@ def create_app(
 
     @app.get("/stats")
     async def live_stats() -> dict:
-        e = llm.stats.engine
+        stats = llm.stats
+        e = stats.engine
         return {
             "model": model_name,
             "running": e.num_running,
             "waiting": e.num_waiting,
             "kv_cache_usage": e.kv_cache_usage,
-            "tokens_per_second": llm.stats.tokens_per_second,
+            "tokens_per_second": stats.tokens_per_second,
             "prefix_cache_hit_rate": e.prefix_cache_hit_rate,
             "num_preemptions": e.num_preemptions,
             "generation_tokens_total": e.generation_tokens_total,
             "max_model_len": llm.max_model_len,
+            "api_key_required": api_key is not None,
         }
 
     @app.get("/")
     async def index() -> FileResponse:
         return FileResponse(STATIC / "index.html")
 
+    @app.get("/favicon.ico", include_in_schema=False)
+    async def favicon() -> FileResponse:
+        return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
     app.mount("/static", StaticFiles(directory=STATIC), name="static")
+    app.openapi = lambda: openapi_with_400s(app)
     return app
+
+
+async def client_gone(request: Request) -> None:
+    """Returns when the client hangs up. The body has been read by then, so the next ASGI message is the
+    disconnect (the server sends it once the connection closes)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponseModel(BaseModel):
+    error: ErrorBody
+
+
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorResponseModel, "description": name} for status, name in _ERROR_TYPES.items() if status != 500
+}
+
+
+def openapi_with_400s(app: FastAPI) -> dict:
+    """The schema, with FastAPI's 422 for bad bodies left out: this server answers them with 400 (OpenAI's way)."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                operation.get("responses", {}).pop("422", None)
+        app.openapi_schema = schema
+    return app.openapi_schema

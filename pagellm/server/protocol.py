@@ -1,7 +1,9 @@
 """OpenAI-compatible request bodies (pydantic) and their mapping onto SamplingParams.
 
-Field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, ...). Range checks live in
-SamplingParams, so the library and the server reject the same values with the same messages.
+Field names follow the OpenAI API plus vLLM's extras (top_k, min_p, repetition_penalty, prompt_logprobs, ...). Range
+checks live in SamplingParams, so the library and the server reject the same values with the same messages. No
+field is dropped silently: an unknown field is a 400, and a known one this server does not implement is a 400
+naming it unless it carries its "off" value.
 """
 
 from __future__ import annotations
@@ -13,18 +15,39 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pagellm.errors import InvalidParameter
 from pagellm.sampling_params import SamplingParams
 
+MAX_N = 128  # OpenAI's limit on samples per prompt
 
-class StreamOptions(BaseModel):
+
+class StrictModel(BaseModel):
+    # Infinity, NaN and 1e309 are not numbers a client can mean: 400, like any other bad value.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
+# Known fields this server does not implement: (field, the values that mean "not used", what the field asks for).
+_NOT_IMPLEMENTED: list[tuple[str, tuple[Any, ...], str]] = [
+    ("response_format", (None, {"type": "text"}), "structured outputs"),
+    ("tools", (None, []), "tool calling"),
+    ("tool_choice", (None, "none"), "tool calling"),
+    ("functions", (None, []), "function calling"),
+    ("function_call", (None, "none"), "function calling"),
+    ("suffix", (None, ""), "insertion (suffix)"),
+    ("structured_outputs", (None,), "structured outputs"),
+    ("guided_json", (None,), "structured outputs"),
+    ("guided_regex", (None,), "structured outputs"),
+    ("guided_choice", (None,), "structured outputs"),
+    ("guided_grammar", (None,), "structured outputs"),
+]
+
+
+class SamplingFields(StrictModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str | None = None
-    n: int = 1
+    n: int = Field(1, ge=1, le=MAX_N)
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
@@ -32,6 +55,7 @@ class SamplingFields(BaseModel):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: dict[str, float] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -39,10 +63,25 @@ class SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    user: str | None = None  # an end-user id for the client's own records: it changes no output
+    # Declared so that they are rejected by name (see _NOT_IMPLEMENTED), not as unknown fields.
+    response_format: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None  # only means something with tools
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+    ) -> SamplingParams:
+        self._check_supported()
         return SamplingParams(
             n=self.n,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -52,6 +91,7 @@ class SamplingFields(BaseModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
+            logit_bias=self._token_biases(),
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -59,9 +99,29 @@ class SamplingFields(BaseModel):
             stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
+
+    def _check_supported(self) -> None:
+        for name, off_values, feature in _NOT_IMPLEMENTED:
+            value = getattr(self, name, None)
+            if all(value != off for off in off_values):
+                raise InvalidParameter(name, f"{name}: {feature} is not supported by this server yet")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidParameter("stream_options", "stream_options: only allowed with stream=true")
+        if self.stream and self.prompt_logprobs is not None:
+            raise InvalidParameter("prompt_logprobs", "prompt_logprobs: not available with stream=true")
+
+    def _token_biases(self) -> dict[int, float]:
+        """logit_bias's keys are token ids written as strings (JSON object keys)."""
+        biases = {}
+        for key, bias in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise InvalidParameter("logit_bias", f"logit_bias: keys must be token ids, got {key!r}")
+            biases[int(key)] = bias
+        return biases
 
     @property
     def include_usage(self) -> bool:
@@ -74,6 +134,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    suffix: str | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -89,23 +150,60 @@ class CompletionRequest(SamplingFields):
             return [self.prompt]
         return list(self.prompt)
 
+    @property
+    def prompt_only(self) -> bool:
+        """max_tokens=0 with echo: the prompt alone (and its logprobs), as lm-evaluation-harness scores text."""
+        return self.echo and self.max_tokens == 0
+
     def to_sampling_params(self) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameter("best_of", f"best_of={self.best_of} is not supported: must equal n")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        if self.max_tokens == 0 and not self.echo:
+            raise InvalidParameter("max_tokens", "max_tokens: 0 is only valid with echo=true (the prompt alone)")
+        prompt_logprobs = self.prompt_logprobs
+        if self.echo and self.logprobs is not None:  # echoed prompt tokens carry logprobs too
+            prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
+        # The prompt alone still needs one step to score it: one token is drawn and not returned.
+        max_tokens = 1 if self.prompt_only else self.max_tokens
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")  # image, audio and file parts have their own keys
 
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
-    def text(self) -> str:
-        """Content as plain text; list content keeps its text parts (this engine has no image input)."""
+    def template_message(self, position: int) -> dict[str, Any]:
+        """The message as the chat template reads it: content as plain text."""
+        message: dict[str, Any] = {"role": self.role, "content": self._text(position)}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if getattr(self, key) is not None:
+                message[key] = getattr(self, key)
+        return message
+
+    def _text(self, position: int) -> str:
         if self.content is None or isinstance(self.content, str):
             return self.content or ""
-        return "".join(part.get("text", "") for part in self.content if part.get("type") == "text")
+        for j, part in enumerate(self.content):
+            if part.type != "text" or part.text is None:
+                raise InvalidParameter(
+                    f"messages.{position}.content.{j}",
+                    f"messages.{position}.content.{j}: a {part.type!r} part; this model takes text parts only",
+                )
+        return "".join(part.text for part in self.content)
+
+
+def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    return [m.template_message(i) for i, m in enumerate(messages)]
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -116,25 +214,29 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
 
     def to_sampling_params(self) -> SamplingParams:
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
 
-    def conversation(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+    @property
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(StrictModel):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(StrictModel):
     model: str | None = None
     tokens: list[int]

@@ -7,16 +7,18 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
+from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams
 from pagellm.server.metrics import ServerMetrics
-from pagellm.server.protocol import ChatCompletionRequest, CompletionRequest
+from pagellm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, template_messages
 
-IsDisconnected = Callable[[], Awaitable[bool]]
+ClientGone = Callable[[], Awaitable[None]]  # returns once the client has hung up
 
 
 @dataclass
@@ -29,6 +31,8 @@ class Job:
     params: SamplingParams
     prompt_texts: list[str]  # for echo (completions)
     echo: bool = False
+    prompt_only: bool = False  # echo with max_tokens=0: the drawn token is not returned
+    return_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field
     include_usage: bool = False
     top_logprobs: int = 0
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -49,12 +53,16 @@ class OpenAIServing:
         self.model_name = model_name
         self.metrics = metrics
 
-    # ---- building jobs (validation happens here, before anything runs) --------------------------------------
+    # ---- building jobs: validation, tokenization and the chat template (slow for long inputs: the app runs
+    # these on a worker thread, off the event loop) ------------------------------------------------------------
 
     def completion_job(self, req: CompletionRequest) -> Job:
         params = req.to_sampling_params()
         prompts = req.prompts()
         ids = [self.llm.input_processor.tokenize(p) for p in prompts]
+        if not req.prompt_only:
+            for prompt_ids in ids:
+                self._check_context_length(len(prompt_ids), req.max_tokens, "prompt")
         texts = [p if isinstance(p, str) else self._decode(p) for p in prompts]
         return Job(
             "completion",
@@ -63,27 +71,47 @@ class OpenAIServing:
             params,
             texts,
             echo=req.echo,
+            prompt_only=req.prompt_only,
+            return_prompt_logprobs=req.prompt_logprobs is not None,
             include_usage=req.include_usage,
             top_logprobs=params.logprobs or 0,
         )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
-        tokenizer = self.llm.tokenizer
-        if tokenizer is None:
-            raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        ids = tokenizer.chat_prompt_ids(
-            req.conversation(), req.add_generation_prompt, **(req.chat_template_kwargs or {})
-        )
         params = req.to_sampling_params()
+        ids = self.llm.input_processor.tokenize(
+            self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+        )
+        self._check_context_length(len(ids), req.requested_max_tokens, "messages")
         return Job(
             "chat",
             self.model_name,
-            [self.llm.input_processor.tokenize(ids)],
+            [ids],
             params,
             [""],
+            return_prompt_logprobs=req.prompt_logprobs is not None,
             include_usage=req.include_usage,
             top_logprobs=params.logprobs or 0,
         )
+
+    def chat_prompt_ids(
+        self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+    ) -> list[int]:
+        tokenizer = self.llm.tokenizer
+        if tokenizer is None:
+            raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
+        return tokenizer.chat_prompt_ids(template_messages(messages), add_generation_prompt, template_kwargs)
+
+    def _check_context_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> None:
+        """A request for more tokens than fit is refused (vLLM's answer), not cut short."""
+        limit = self.llm.max_model_len
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise InvalidParameter(
+                "max_tokens",
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {prompt_field}, {max_tokens} "
+                f"in the completion). Please reduce the length of the {prompt_field} or completion.",
+            )
 
     def _decode(self, ids: list[int]) -> str:
         return "" if self.llm.tokenizer is None else self.llm.tokenizer.decode(ids)
@@ -97,8 +125,9 @@ class OpenAIServing:
 
         async def pump(index: int, prompt: list[int]) -> None:
             try:
-                async for out in self.llm.generate(prompt, job.params):
-                    await queue.put((index, out))
+                async with aclosing(self.llm.generate(prompt, job.params)) as outputs:
+                    async for out in outputs:
+                        await queue.put((index, out))
             except Exception as exc:
                 await queue.put(exc)
 
@@ -117,81 +146,80 @@ class OpenAIServing:
             for task in tasks:
                 task.cancel()
 
-    async def run(self, job: Job, is_disconnected: IsDisconnected) -> dict | None:
-        """The whole response, or None if the client left first (its requests are then aborted)."""
+    async def _finals(self, job: Job) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
+        async for index, out in self._merged(job):
+            if out.finished:
+                finals[index] = out
+        return [finals[i] for i in range(len(job.prompts))]
 
-        async def collect() -> None:
-            async for index, out in self._merged(job):
-                if out.finished:
-                    finals[index] = out
-
-        task = asyncio.create_task(collect())
-        while not task.done():
-            done, _ = await asyncio.wait({task}, timeout=0.5)
-            if not done and await is_disconnected():
+    async def run(self, job: Job, client_gone: ClientGone) -> dict | None:
+        """The whole response, or None if the client hung up first: its requests are then aborted at once."""
+        collect = asyncio.create_task(self._finals(job))
+        gone = asyncio.create_task(client_gone())
+        try:
+            done, _ = await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:  # also when this handler is cancelled (server shutdown)
+            for task in (collect, gone):
                 task.cancel()
-                return None
-        task.result()
-        outputs = [finals[i] for i in range(len(job.prompts))]
+        if collect not in done:
+            return None
+        outputs = collect.result()
         choices = [self._choice(job, i, out, c) for i, out in enumerate(outputs) for c in out.outputs]
-        return {
+        response = {
             "id": job.response_id,
             "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": job.created,
             "model": job.model,
             "choices": choices,
-            "usage": _usage(outputs),
+            "usage": _usage(job, outputs),
         }
+        if job.kind == "chat" and job.return_prompt_logprobs:
+            response["prompt_logprobs"] = _prompt_logprobs_field(outputs[0])
+        return response
 
     async def stream(self, job: Job) -> AsyncIterator[str]:
-        """SSE lines: one chunk per new text piece of each choice, a final usage chunk if asked, [DONE]."""
+        """SSE lines: one chunk per new text piece of each choice (one choice per chunk, as OpenAI sends them),
+        a final usage chunk if asked, [DONE]."""
         sent: dict[int, int] = {}  # choice index -> characters sent
-        logprobs_sent: dict[int, int] = {}
+        logprobs_sent: dict[int, int] = {}  # choice index -> positions sent
+        offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
         finals: dict[int, RequestOutput] = {}
         if job.kind == "chat":
             for i in range(len(job.prompts) * job.n):
-                yield _sse(
-                    self._chunk(
-                        job,
-                        [
-                            {
-                                "index": i,
-                                "delta": {"role": "assistant", "content": ""},
-                                "logprobs": None,
-                                "finish_reason": None,
-                            }
-                        ],
-                    )
-                )
+                delta = {"role": "assistant", "content": ""}
+                yield _sse(self._chunk(job, [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
         async for prompt_index, out in self._merged(job):
             if out.finished:
                 finals[prompt_index] = out
-            choices = []
             for c in out.outputs:
                 index = prompt_index * job.n + c.index
                 start = sent.get(index)
                 if start is None:
                     start = 0
                     if job.echo:
-                        choices.append(self._stream_choice(job, index, job.prompt_texts[prompt_index], None, None))
-                delta = c.text[start:]
+                        lp, offsets[index] = self._echo_logprobs(job, prompt_index, out)
+                        yield _sse(
+                            self._chunk(
+                                job, [self._stream_choice(job, index, job.prompt_texts[prompt_index], lp, None)]
+                            )
+                        )
+                text, token_ids, positions = self._generated(job, c)
+                delta = text[start:]
                 first_lp = logprobs_sent.get(index, 0)
-                new_logprobs = c.logprobs[first_lp:] if c.logprobs is not None else None
+                new_logprobs = positions[first_lp:] if positions is not None else None
                 if delta or c.finished or new_logprobs:
-                    sent[index] = len(c.text)
-                    logprobs_sent[index] = len(c.logprobs or [])
-                    lp = (
-                        None
-                        if new_logprobs is None
-                        else self._logprobs(job, new_logprobs, c.token_ids[first_lp:], start)
-                    )
-                    choices.append(self._stream_choice(job, index, delta, lp, c.finish_reason))
-            if choices:
-                yield _sse(self._chunk(job, choices))
+                    sent[index] = len(text)
+                    logprobs_sent[index] = len(positions or [])
+                    lp = None
+                    if new_logprobs is not None:
+                        lp = self._logprobs(job, new_logprobs, token_ids[first_lp:], offsets.get(index, 0))
+                        offsets[index] = _next_offset(lp, offsets.get(index, 0))
+                    finish = _finish(job, c)[0]
+                    yield _sse(self._chunk(job, [self._stream_choice(job, index, delta, lp, finish)]))
         if job.include_usage:
             outputs = [finals[i] for i in sorted(finals)]
-            yield _sse({**self._chunk(job, []), "usage": _usage(outputs)})
+            yield _sse({**self._chunk(job, []), "usage": _usage(job, outputs)})
         yield "data: [DONE]\n\n"
 
     # ---- shaping --------------------------------------------------------------------------------------------
@@ -206,31 +234,58 @@ class OpenAIServing:
         delta = {"content": text} if text else {}
         return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
 
+    @staticmethod
+    def _generated(job: Job, c: CompletionOutput) -> tuple[str, list[int], list[PositionLogprobs | None] | None]:
+        """What a choice returns of its sample: text, token ids, logprobs (nothing of it for the prompt alone)."""
+        if job.prompt_only:
+            return "", [], None if c.logprobs is None else []
+        return c.text, c.token_ids, c.logprobs
+
+    def _echo_logprobs(self, job: Job, prompt_index: int, out: RequestOutput) -> tuple[dict | None, int]:
+        """Logprobs of the echoed prompt (the first token has none), and the text offset after it."""
+        if job.params.logprobs is None or out.prompt_logprobs is None:
+            return None, 0
+        lp = self._logprobs(job, out.prompt_logprobs, job.prompts[prompt_index], 0)
+        return lp, _next_offset(lp, 0)
+
     def _choice(self, job: Job, prompt_index: int, out: RequestOutput, c: CompletionOutput) -> dict:
         index = prompt_index * job.n + c.index
-        logprobs = None if c.logprobs is None else self._logprobs(job, c.logprobs, c.token_ids, 0)
-        if job.kind == "completion":
-            text = (job.prompt_texts[prompt_index] if job.echo else "") + c.text
+        text, token_ids, positions = self._generated(job, c)
+        if job.kind == "chat":
+            logprobs = None if positions is None else self._logprobs(job, positions, token_ids, 0)
             return {
                 "index": index,
-                "text": text,
+                "message": {"role": "assistant", "content": text},
                 "logprobs": logprobs,
                 "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
-        return {
+        logprobs, offset = None, 0
+        if job.echo:
+            text = job.prompt_texts[prompt_index] + text
+            logprobs, offset = self._echo_logprobs(job, prompt_index, out)
+        if positions is not None:
+            generated = self._logprobs(job, positions, token_ids, offset)
+            logprobs = generated if logprobs is None else {k: logprobs[k] + generated[k] for k in logprobs}
+        choice = {
             "index": index,
-            "message": {"role": "assistant", "content": c.text},
+            "text": text,
             "logprobs": logprobs,
-            "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason,
+            "finish_reason": _finish(job, c)[0],
+            "stop_reason": _finish(job, c)[1],
         }
+        if job.return_prompt_logprobs:
+            choice["prompt_logprobs"] = _prompt_logprobs_field(out)
+        return choice
 
-    def _logprobs(self, job: Job, positions: list[PositionLogprobs], token_ids: list[int], text_offset: int) -> dict:
-        """OpenAI logprobs of generated tokens: `content` entries for chat, the legacy arrays for completions."""
+    def _logprobs(
+        self, job: Job, positions: list[PositionLogprobs | None], token_ids: list[int], text_offset: int
+    ) -> dict:
+        """OpenAI logprobs: `content` entries for chat, the legacy arrays for completions, where a position
+        without logprobs (the prompt's first token) has null ones."""
 
-        def text(token_id: int, entry: PositionLogprobs) -> str:
-            decoded = entry[token_id].decoded_token
+        def text(token_id: int, entry: PositionLogprobs | None) -> str:
+            decoded = entry[token_id].decoded_token if entry is not None else self._decode_token(token_id)
             return decoded if decoded is not None else str(token_id)
 
         if job.kind == "chat":
@@ -259,15 +314,48 @@ class OpenAIServing:
             text_offset += len(tok)
         return {
             "tokens": tokens,
-            "token_logprobs": [e[t].logprob for t, e in zip(token_ids, positions)],
-            "top_logprobs": [{text(t, e): lp.logprob for t, lp in e.items()} for e in positions],
+            "token_logprobs": [None if e is None else e[t].logprob for t, e in zip(token_ids, positions)],
+            "top_logprobs": [
+                None if e is None else {text(t, e): lp.logprob for t, lp in e.items()}
+                for t, e in zip(token_ids, positions)
+            ],
             "text_offset": offsets,
         }
 
+    def _decode_token(self, token_id: int) -> str | None:
+        return None if self.llm.tokenizer is None else self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
 
-def _usage(outputs: list[RequestOutput]) -> dict:
+
+def _finish(job: Job, c: CompletionOutput) -> tuple[str | None, int | str | None]:
+    """finish_reason and stop_reason: the prompt alone always ends by length (it returns no token to stop on)."""
+    if job.prompt_only:
+        return ("length" if c.finished else None), None
+    return c.finish_reason, c.stop_reason
+
+
+def _next_offset(logprobs: dict, start: int) -> int:
+    """The text offset after the tokens of a legacy logprobs block."""
+    return start + sum(len(t) for t in logprobs.get("tokens", []))
+
+
+def _prompt_logprobs_field(out: RequestOutput) -> list[dict | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position, null (the first) or {token id: logprob, rank, decoded}."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None
+        if entry is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in entry.items()
+        }
+        for entry in out.prompt_logprobs
+    ]
+
+
+def _usage(job: Job, outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = 0 if job.prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 

@@ -53,6 +53,17 @@ def test_gpu_fp32_greedy_equals_cpu_path(model_dir):
     assert gpu == cpu
 
 
+def test_logit_bias_on_the_gpu_equals_the_cpu_path(model_dir):
+    ps = prompts(4, seed=2)
+    free = tokens(LLM(str(model_dir), device="cpu", dtype="float32", quiet=True), ps)
+    bias = {free[0][0]: -100.0, 5: 3.0, 9: -2.5}
+    params = [SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logit_bias=bias), GREEDY] * 2
+    cpu = tokens(LLM(str(model_dir), device="cpu", dtype="float32", quiet=True), ps, params)
+    gpu = tokens(LLM(str(model_dir), device="cuda", dtype="float32", quiet=True), ps, params)
+    assert gpu == cpu
+    assert cpu[0][0] != free[0][0] and cpu[1] == free[1]  # the bias moved its own rows only
+
+
 def test_cuda_graphs_equal_eager(model_dir):
     ps = prompts(20, seed=1)
     eager = LLM(str(model_dir), device="cuda", dtype="bfloat16", enforce_eager=True, quiet=True)

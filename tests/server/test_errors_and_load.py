@@ -35,10 +35,86 @@ def assert_error(resp: httpx.Response, status: int, param: str | None = None, te
         ({**CHAT, "messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role"),
         ({"model": MODEL, "max_tokens": 4}, "messages"),
         ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "n": 10_000}, "n"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "logit_bias": {"abc": 5}}, "logit_bias"),
+        ({**CHAT, "logit_bias": {"5": 500}}, "logit_bias"),
+        ({**CHAT, "logit_bias": {str(10**9): 1}}, "logit_bias"),
+        ({**CHAT, "stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({**CHAT, "stream": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+        ({**CHAT, "chat_template_kwargs": {"messages": 5}}, "chat_template_kwargs"),
+        ({**CHAT, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        (
+            {**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages.0.content.0",
+        ),
+        ({**CHAT, "messages": [{"role": "user", "content": "x", "colour": "red"}]}, "messages.0.colour"),
     ],
 )
 def test_bad_chat_fields(server, body, param):
     assert_error(httpx.post(f"{server.url}/v1/chat/completions", json=body), 400, param)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+        ("tool_choice", "required"),
+        ("structured_outputs", {"json": {"type": "object"}}),
+        ("guided_json", {"type": "object"}),
+        ("guided_regex", "[a-z]+"),
+        ("guided_choice", ["yes", "no"]),
+        ("guided_grammar", "root ::= 'a'"),
+        ("functions", [{"name": "f"}]),
+    ],
+)
+def test_unimplemented_fields_are_refused_by_name(server, field, value):
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, field: value})
+    assert_error(resp, 400, field, "not supported")
+
+
+def test_unknown_and_unimplemented_completion_fields(server):
+    url = f"{server.url}/v1/completions"
+    base = {"model": MODEL, "prompt": "Hi", "max_tokens": 2}
+    assert_error(httpx.post(url, json={**base, "suffix": " the end"}), 400, "suffix", "not supported")
+    assert_error(httpx.post(url, json={**base, "frobnicate": 1}), 400, "frobnicate", "unknown field")
+    assert_error(httpx.post(url, json={**base, "max_tokens": 0}), 400, "max_tokens", "echo")
+    # The "off" values of the unimplemented fields are accepted: they ask for nothing.
+    ok = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}})
+    assert ok.status_code == 200, ok.text
+
+
+@pytest.mark.parametrize("number", ["Infinity", "-Infinity", "NaN", "1e309"])
+def test_non_finite_floats_are_refused(server, number):
+    body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], "temperature": {number}}}'
+    resp = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert_error(resp, 400, "temperature")
+
+
+def test_more_tokens_than_the_context_is_refused_like_vllm(server):
+    limit = server.llm.max_model_len
+    for max_tokens in (limit, 2**70):
+        resp = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": max_tokens})
+        assert_error(resp, 400, "max_tokens", f"This model's maximum context length is {limit} tokens")
+    prompt = list(range(100, 100 + limit - 10))
+    resp = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20})
+    assert_error(resp, 400, "max_tokens", f"you requested {limit + 10} tokens ({limit - 10} in the prompt, 20 in")
+    # Without max_tokens, a chat reply may use what is left.
+    assert httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": None}).status_code == 200
+
+
+def test_tokenize_bad_inputs(server):
+    url = f"{server.url}/tokenize"
+    assert_error(httpx.post(url, json={"messages": []}), 400, "messages")
+    assert_error(httpx.post(url, json={}), 400, "prompt")
+    assert_error(
+        httpx.post(url, json={"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 5}}),
+        400,
+        "chat_template_kwargs",
+    )
+    chat = httpx.post(url, json={"messages": [{"role": "user", "content": "Hi"}]}).json()
+    assert chat["count"] == len(chat["tokens"]) > 3
 
 
 def test_bad_completion_inputs(server):
@@ -51,6 +127,9 @@ def test_bad_completion_inputs(server):
     assert_error(httpx.post(url, json={"model": "gpt-4", "prompt": "x"}), 404, None, "does not exist")
     assert_error(httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert_error(httpx.post(url, json={"model": MODEL, "prompt": "x" * 70_000}), 413)
+    # A chunked body has no Content-Length: the limit counts the bytes as they arrive.
+    chunks = iter([b'{"model": "' + MODEL.encode() + b'", "prompt": "', b"x" * 70_000, b'"}'])
+    assert_error(httpx.post(url, content=chunks, headers={"content-type": "application/json"}), 413)
     assert_error(httpx.post(url, json={"model": MODEL, "prompt": "x", "best_of": 3}), 400, "best_of")
     assert httpx.get(f"{server.url}/health").status_code == 200
 

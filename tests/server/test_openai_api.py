@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
+import httpx
 import pytest
+import torch
 from openai import OpenAI
 
+from pagellm.engine.async_llm import RATE_WINDOW_S
 from tests.server.conftest import MODEL
 
 
@@ -82,8 +87,6 @@ def test_completions_with_logprobs_echo_stop_and_n(client):
 
 
 def test_completion_stream_with_token_ids_prompt(client, server):
-    import httpx
-
     ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The sea is"}).json()["tokens"]
     plain = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8)
     stream = client.completions.create(model=MODEL, prompt=ids, temperature=0, max_tokens=8, stream=True)
@@ -106,15 +109,11 @@ def test_chat_logprobs(client):
 
 
 def test_tokenize_detokenize_roundtrip(server):
-    import httpx
-
     tokens = httpx.post(f"{server.url}/tokenize", json={"prompt": "Hello world"}).json()["tokens"]
     assert httpx.post(f"{server.url}/detokenize", json={"tokens": tokens}).json()["prompt"] == "Hello world"
 
 
 def test_metrics_exposed(client, server):
-    import httpx
-
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=3)
     text = httpx.get(f"{server.url}/metrics").text
     for name in [
@@ -129,3 +128,142 @@ def test_metrics_exposed(client, server):
         "pagellm:generation_tokens_total",
     ]:
         assert name in text, name
+
+
+def test_logit_bias_steers_sampling(client, server):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say hello."}], "temperature": 0, "max_tokens": 6}
+    free = client.chat.completions.create(**chat, logprobs=True)
+    first = free.choices[0].logprobs.content[0].token
+    first_id = httpx.post(f"{server.url}/tokenize", json={"prompt": first}).json()["tokens"]
+    banned = client.chat.completions.create(**chat, logprobs=True, logit_bias={str(first_id[0]): -100})
+    assert banned.choices[0].logprobs.content[0].token != first
+    forced = client.completions.create(
+        model=MODEL, prompt="Once upon a time", temperature=0, max_tokens=5, logit_bias={"1000": 100}
+    )
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": forced.choices[0].text})
+    assert ids.json()["tokens"] == [1000] * 5
+
+
+def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
+    """[len(ids), vocab]: row p holds log P(next token | ids[: p + 1]) by HF transformers."""
+    with torch.no_grad():
+        return torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+
+def test_lm_eval_loglikelihood_request(server, hf_smollm2):
+    """lm-evaluation-harness's `local-completions` loglikelihood request and its parsing (LocalCompletionsAPI's
+    _create_payload and parse_logprobs): token-id prompts, echo, logprobs=1, max_tokens=1."""
+    tokenize = lambda text: httpx.post(f"{server.url}/tokenize", json={"prompt": text}).json()["tokens"]  # noqa: E731
+    pairs = [("The capital of France is", " Paris"), ("Two plus two equals", " four, of course")]
+    requests = [(tokenize(ctx), tokenize(ctx + cont)) for ctx, cont in pairs]
+    payload = {
+        "model": MODEL,
+        "prompt": [whole for _, whole in requests],
+        "temperature": 0,
+        "max_tokens": 1,
+        "logprobs": 1,
+        "seed": 1234,
+        "echo": True,
+    }
+    out = httpx.post(f"{server.url}/v1/completions", json=payload, timeout=60).json()
+    for choice, (ctx, whole) in zip(sorted(out["choices"], key=lambda c: c["index"]), requests):
+        lp = choice["logprobs"]
+        assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+        assert len(lp["token_logprobs"]) == len(whole) + 1  # the prompt, then the one drawn token
+        ref = hf_logprobs(hf_smollm2, whole)
+        ctxlen = len(ctx)
+        expected = [ref[p - 1, whole[p]].item() for p in range(ctxlen, len(whole))]
+        assert lp["token_logprobs"][ctxlen:-1] == pytest.approx(expected, abs=1e-4)
+        greedy = all(
+            t == max(top.values()) for t, top in zip(lp["token_logprobs"][ctxlen:-1], lp["top_logprobs"][ctxlen:-1])
+        )
+        assert greedy == all(ref[p - 1].argmax().item() == whole[p] for p in range(ctxlen, len(whole)))
+        # text_offset counts the echoed prompt's text, then the completion's.
+        assert choice["text"].startswith("".join(lp["tokens"][: len(whole)]))
+        assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_alone(server, hf_smollm2):
+    prompt = "The sea is blue"
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 0}
+    out = httpx.post(f"{server.url}/v1/completions", json=body).json()
+    choice = out["choices"][0]
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert choice["text"] == prompt and choice["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
+    ref = hf_logprobs(hf_smollm2, ids)
+    assert choice["logprobs"]["token_logprobs"][1:] == pytest.approx(
+        [ref[p - 1, ids[p]].item() for p in range(1, len(ids))], abs=1e-4
+    )
+    assert "".join(choice["logprobs"]["tokens"]) == prompt
+
+
+def test_prompt_logprobs_on_completions_and_chat(client, server, hf_smollm2):
+    resp = client.completions.create(
+        model=MODEL, prompt="The quick brown fox", max_tokens=1, extra_body={"prompt_logprobs": 2}
+    ).model_dump()
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": "The quick brown fox"}).json()["tokens"]
+    entries = resp["choices"][0]["prompt_logprobs"]
+    ref = hf_logprobs(hf_smollm2, ids)
+    assert entries[0] is None and len(entries) == len(ids)
+    for p in range(1, len(ids)):
+        assert entries[p][str(ids[p])]["logprob"] == pytest.approx(ref[p - 1, ids[p]].item(), abs=1e-4)
+        top = ref[p - 1].topk(2).indices.tolist()
+        assert {int(t) for t, e in entries[p].items() if e["rank"] <= 2} == set(top)
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=1, extra_body={"prompt_logprobs": 0}
+    ).model_dump()
+    assert chat["prompt_logprobs"][0] is None and len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+def test_streaming_n_sends_one_choice_per_chunk(client):
+    args = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to five."}],
+        n=3,
+        temperature=1.0,
+        seed=3,
+        max_tokens=8,
+    )
+    texts, finishes = {0: "", 1: "", 2: ""}, {}
+    for chunk in client.chat.completions.create(**args, stream=True):
+        assert len(chunk.choices) == 1
+        choice = chunk.choices[0]
+        texts[choice.index] += choice.delta.content or ""
+        if choice.finish_reason:
+            finishes[choice.index] = choice.finish_reason
+    whole = client.chat.completions.create(**args)
+    assert texts == {c.index: c.message.content for c in whole.choices}
+    assert set(finishes) == {0, 1, 2}
+
+
+def test_cors_favicon_and_idle_rate(server):
+    preflight = httpx.options(
+        f"{server.url}/v1/chat/completions",
+        headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
+    )
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] in (
+        "*",
+        "http://example.com",
+    )
+    icon = httpx.get(f"{server.url}/favicon.ico")
+    assert icon.status_code == 200 and icon.headers["content-type"].startswith("image/svg")
+    server.wait_idle()
+    time.sleep(RATE_WINDOW_S + 0.2)
+    assert httpx.get(f"{server.url}/stats").json()["tokens_per_second"] == 0.0
+
+
+def test_streamed_logprobs_with_echo_equal_the_whole_response(client):
+    args = dict(model=MODEL, prompt="Hello there", echo=True, logprobs=1, max_tokens=24, temperature=0)
+    whole = client.completions.create(**args).choices[0]
+    tokens, token_logprobs, offsets, text = [], [], [], ""
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            text += choice.text
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                token_logprobs += choice.logprobs.token_logprobs
+                offsets += choice.logprobs.text_offset
+    assert text == whole.text
+    assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
+    assert token_logprobs == pytest.approx(whole.logprobs.token_logprobs)

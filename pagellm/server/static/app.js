@@ -19,6 +19,13 @@ function setBusy(busy) {
   $("stop").disabled = !busy;
 }
 
+const KEY_STORE = "pagellm-api-key";
+
+function authHeaders() {
+  const key = $("api-key").value.trim();
+  return key ? { Authorization: `Bearer ${key}` } : {};
+}
+
 function fmt(x, digits = 1) { return Number.isFinite(x) ? x.toFixed(digits) : "–"; }
 
 async function send(event) {
@@ -42,11 +49,12 @@ async function send(event) {
   };
   try {
     const res = await fetch("/v1/chat/completions", {
-      method: "POST", headers: { "Content-Type": "application/json" },
+      method: "POST", headers: { "Content-Type": "application/json", ...authHeaders() },
       body: JSON.stringify(body), signal: controller.signal,
     });
     if (!res.ok) {
       const err = await res.json().catch(() => ({}));
+      if (res.status === 401) $("key-panel").hidden = false;
       throw new Error(err?.error?.message || `HTTP ${res.status}`);
     }
     const reader = res.body.getReader();
@@ -102,6 +110,7 @@ async function refreshStats() {
   try {
     const s = await (await fetch("/stats")).json();
     state.model = s.model;
+    if (s.api_key_required) $("key-panel").hidden = false;
     $("model-name").textContent = `${s.model} · context ${s.max_model_len}`;
     $("stat-running").textContent = s.running;
     $("stat-waiting").textContent = s.waiting;
@@ -115,6 +124,8 @@ async function refreshStats() {
   }
 }
 
+$("api-key").value = localStorage.getItem(KEY_STORE) || "";
+$("api-key").addEventListener("input", () => localStorage.setItem(KEY_STORE, $("api-key").value.trim()));
 $("composer").addEventListener("submit", send);
 $("prompt").addEventListener("keydown", (e) => {
   if (e.key === "Enter" && !e.shiftKey) send(e);
