@@ -2,7 +2,15 @@
 
 from pagellm.engine.llm import LLM
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
-from pagellm.sampling_params import RequestOutputKind, SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput", "Logprob"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "StructuredOutputsParams",
+    "RequestOutputKind",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
+]
 __version__ = "0.1.0"

@@ -8,6 +8,7 @@ import sys
 
 from pagellm.config import EngineConfig
 from pagellm.sampling_params import SamplingParams
+from pagellm.server.tool_parsers import REASONING_PARSERS, TOOL_PARSERS
 
 # Python types of EngineConfig's annotations (strings under `from __future__ import annotations`).
 _ARG_TYPES = {"str": str, "str | None": str, "int": int, "int | None": int, "float": float}
@@ -108,6 +109,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         api_key=args.api_key or os.environ.get("PAGELLM_API_KEY"),
         max_body_bytes=args.max_body_bytes,
         allowed_origins=args.allowed_origins,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
     )
     url = f"http://{args.host}:{args.port}"
     print(f"pagellm: serving {name} — demo page {url}/ — OpenAI API {url}/v1", flush=True)
@@ -192,6 +195,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=_json_list,
         default=["*"],
         help='CORS: origins allowed to call the API from a browser, as a JSON list (default ["*"])',
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="how the model writes tool calls (hermes: Qwen2.5/Qwen3; llama3_json: Llama 3.1+; pythonic); "
+        "enables tool_choice='auto'",
+    )
+    serve.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="split <think>...</think> into message.reasoning_content (qwen3)",
     )
     serve.add_argument(
         "--shutdown-timeout",

@@ -17,6 +17,36 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Constrain a request's output (vLLM's names): exactly one of a JSON schema, any JSON object, a regex, a
+    choice among strings, or a grammar (EBNF as xgrammar reads it, or Lark)."""
+
+    json: str | dict | None = None
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False  # JSON: no whitespace beyond the separators
+
+    def __post_init__(self) -> None:
+        kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        if len(kinds) != 1:
+            raise InvalidParameter(
+                "structured_outputs",
+                "structured_outputs: set exactly one of json, json_object, regex, choice and grammar"
+                + (f" (got {', '.join(kinds)})" if kinds else ""),
+            )
+        if self.choice is not None:
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise invalid_value("structured_outputs.choice", self.choice, "a list of non-empty strings")
+            object.__setattr__(self, "choice", list(self.choice))
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name))
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -34,6 +64,7 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
@@ -48,6 +79,11 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidParameter("structured_outputs", f"structured_outputs: {exc}") from exc
         if self.top_k in (None, -1):  # vLLM spells "no top-k" as -1
             self.top_k = 0
         self._validate()

@@ -75,9 +75,10 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> str:
-        """The conversation as the model's chat template writes it; `template_kwargs` are extra template variables
-        (e.g. enable_thinking)."""
+        """The conversation as the model's chat template writes it, with the tools it may call (OpenAI's
+        format); `template_kwargs` are extra template variables (e.g. enable_thinking)."""
         if not self.hf.chat_template:
             raise InvalidParameter(
                 "messages", "messages: this model's tokenizer has no chat template; send a plain prompt instead"
@@ -91,7 +92,7 @@ class Tokenizer:
             )
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
             )
         except TemplateError as exc:
             raise InvalidParameter("messages", f"messages: the chat template rejected them: {exc}") from exc
@@ -104,8 +105,9 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
         # The template already wrote the special tokens (BOS and role markers): add none.
         return self.hf.encode(text, add_special_tokens=False)
 

@@ -96,3 +96,16 @@ def make_tiny_model(tmp_path_factory, arch: str, **overrides) -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory, "Llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model_dir(tmp_path_factory, smollm2_gguf) -> Path:
+    """A small random-weight Llama with SmolLM2's tokenizer and chat template: every step takes milliseconds, so
+    fuzzed requests of any size finish quickly."""
+    from pagellm.model.loader import resolve_model_dir
+    from pagellm.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(resolve_model_dir(str(smollm2_gguf), quiet=True))
+    path = make_tiny_model(tmp_path_factory, "Llama", vocab_size=tokenizer.vocab_size, max_position_embeddings=256)
+    tokenizer.hf.save_pretrained(path)
+    return path

@@ -1,5 +1,5 @@
 """One step's data as plain values: what the scheduler hands the model runner (`SchedulerOutput` of `StepRow`s)
-and what comes back (`RunnerOutput`). Only ints, lists, strings and `SamplingParams`: something one process can
+and what comes back (`RunnerOutput`). Only ints, lists, strings, arrays and `SamplingParams`: something one process can
 send to another (rank 0 to the other tensor-parallel ranks), and nothing the runner could change in the
 scheduler's state. The lists a row holds (block ids, tokens so far) are the request's own, read when the step is
 launched and never written by the runner."""
@@ -7,6 +7,8 @@ launched and never written by the runner."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
@@ -67,6 +69,15 @@ class SchedulerOutput:
     @property
     def is_decode_only(self) -> bool:
         return all(row.num_tokens == 1 for row in self.rows)
+
+
+@dataclass
+class GrammarBitmask:
+    """The tokens the constrained rows of a step may sample (structured outputs): row i belongs to
+    request_ids[i]; bit t % 32 of its int32 word t // 32 is set when token t is allowed."""
+
+    request_ids: list[str]
+    bitmask: np.ndarray  # [len(request_ids), ceil(vocab / 32)] int32
 
 
 @dataclass

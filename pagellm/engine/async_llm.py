@@ -18,11 +18,12 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
 from pagellm.engine.engine import Engine, EngineStats
-from pagellm.engine.input_processor import InputProcessor
+from pagellm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import SamplingParams
@@ -98,10 +99,16 @@ class AsyncLLM:
     ) -> AsyncIterator[RequestOutput]:
         """Stream the RequestOutputs of one request (all its n samples) until it finishes; leaving early aborts
         it. Bad input raises InvalidParameter at the first iteration, before anything is queued."""
+        processed = self.input_processor.process(prompt, params, request_id or uuid.uuid4().hex)
+        async with aclosing(self.stream(processed)) as outputs:
+            async for out in outputs:
+                yield out
+
+    async def stream(self, processed: ProcessedRequest) -> AsyncIterator[RequestOutput]:
+        """`generate` for a request its caller validated already (`input_processor.process`)."""
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
-        request_id = request_id or uuid.uuid4().hex
-        processed = self.input_processor.process(prompt, params, request_id)
+        request_id = processed.request_id
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:

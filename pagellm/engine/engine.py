@@ -18,6 +18,7 @@ from pagellm.engine.input_processor import InputProcessor, ProcessedRequest, eos
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.scheduler import Scheduler, SchedulerStats
+from pagellm.engine.structured_outputs import GrammarCompiler, StructuredOutputs
 from pagellm.errors import InvalidParameter
 from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.outputs import RequestOutput
@@ -66,13 +67,16 @@ class Engine:
             config.max_num_seqs,
             config.token_budget,
         )
+        eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         self.input_processor = InputProcessor(
             self.tokenizer,
             self.model_config,
             self.max_model_len,
-            eos_token_ids(self.model_dir, self.model_config, self.tokenizer),
+            eos_ids,
+            GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos_ids),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
+        self.structured_outputs = StructuredOutputs()
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
 
@@ -99,6 +103,8 @@ class Engine:
         """Queue a request validated by `input_processor` (possibly on another thread)."""
         self.output_processor.add_request(processed)
         for sample in processed.samples:
+            if processed.grammar is not None:
+                self.structured_outputs.add(sample.request_id, processed.grammar)
             self.scheduler.add_request(
                 Request(sample.request_id, processed.prompt_token_ids, sample.params, sample.max_tokens)
             )
@@ -107,6 +113,7 @@ class Engine:
         """Stop a request at once and free its blocks. Unknown or finished ids are ignored."""
         running, output = self.output_processor.abort(request_id)
         self.scheduler.finish_requests(running, RequestStatus.FINISHED_ABORTED)
+        self.structured_outputs.remove(running)
         return output
 
     def has_unfinished(self) -> bool:
@@ -120,23 +127,35 @@ class Engine:
 
         With async_scheduling, a pure-decode step's successor is launched before this step's tokens come back
         (its input tokens stay on the device), so the host's bookkeeping overlaps the GPU's work instead of
-        leaving it idle. A request that turns out to have stopped wastes its row of the successor."""
+        leaving it idle. A request that turns out to have stopped wastes its row of the successor. A successor
+        with constrained rows (structured outputs) runs its forward pass meanwhile and samples once this step's
+        tokens have advanced the grammars."""
         if self._in_flight is None:
             step = self.scheduler.schedule()
             if step.is_empty:
                 return []
             self._in_flight = self._launch(step)
+            self._sample_constrained(self._in_flight)
         current, self._in_flight = self._in_flight, None
         if self.config.async_scheduling:
             ahead = self.scheduler.schedule_ahead(current.step)
             self._in_flight = self._launch(ahead) if ahead is not None else None
         updates = self.scheduler.update_from_output(current.step, self.runner.collect(current.launched))
+        self.structured_outputs.accept(updates)
+        if self._in_flight is not None:
+            self._sample_constrained(self._in_flight)
         outputs, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        self.structured_outputs.remove(stopped)
         return outputs
 
     def _launch(self, step: SchedulerOutput) -> _InFlight:
         return _InFlight(step, self.runner.launch(step))
+
+    def _sample_constrained(self, in_flight: _InFlight) -> None:
+        if in_flight.launched.awaits_bitmask:
+            grammar = self.structured_outputs.bitmask(in_flight.step, self.model_config.vocab_size)
+            self.runner.sample_constrained(in_flight.launched, grammar)
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -7,11 +7,16 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagellm.config import ModelConfig
+from pagellm.engine.structured_outputs import GrammarCompiler
 from pagellm.errors import InvalidParameter
 from pagellm.sampling_params import SamplingParams
 from pagellm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from xgrammar import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -32,17 +37,24 @@ class ProcessedRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     samples: list[SampleRequest]
+    grammar: CompiledGrammar | None = None  # structured outputs: what every sample's tokens must follow
     arrival_time: float = field(default_factory=time.time)
 
 
 class InputProcessor:
     def __init__(
-        self, tokenizer: Tokenizer | None, model_config: ModelConfig, max_model_len: int, eos_token_ids: set[int]
+        self,
+        tokenizer: Tokenizer | None,
+        model_config: ModelConfig,
+        max_model_len: int,
+        eos_token_ids: set[int],
+        grammar_compiler: GrammarCompiler,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = model_config.vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.grammar_compiler = grammar_compiler
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         """Token ids of a prompt, validated: non-empty, ids in the vocabulary, shorter than max_model_len."""
@@ -79,11 +91,14 @@ class InputProcessor:
         )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        grammar = None
+        if params.structured_outputs is not None:
+            grammar = self.grammar_compiler.compile(params.structured_outputs)
         if params.n == 1:
             samples = [SampleRequest(request_id, 0, params, max_tokens)]
         else:
             samples = [SampleRequest(f"{i}_{request_id}", i, params.for_child(i), max_tokens) for i in range(params.n)]
-        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, ids, samples)
+        return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, ids, samples, grammar)
 
 
 def eos_token_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Tokenizer | None) -> set[int]:

@@ -54,10 +54,14 @@ class LLM:
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation (with the tools it may call, in OpenAI's format),
+        then generate. Tool calls are left in the text: parsing them is the server's job."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs) for conv in conversations]
+        prompts = [
+            self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs, tools) for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def chat_prompt_ids(
@@ -65,16 +69,24 @@ class LLM:
         conversation: Messages,
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         _check_messages(conversation)
         if self.tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, chat_template_kwargs)
+        return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, chat_template_kwargs, tools)
 
     def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).
         final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for _, p in work}
-        ids = [self.engine.add_request(prompt, final_only[id(params)]) for prompt, params in work]
+        ids: list[str] = []
+        try:
+            for prompt, params in work:
+                ids.append(self.engine.add_request(prompt, final_only[id(params)]))
+        except InvalidParameter:  # a bad request further down the list: nothing of this call may stay queued
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
         order = {rid: i for i, rid in enumerate(ids)}
         results: list[RequestOutput | None] = [None] * len(ids)
         bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or self.engine.config.quiet)

@@ -45,6 +45,8 @@ class Ops(Protocol):
 
     def argmax_rows(self, logits: torch.Tensor) -> torch.Tensor: ...
 
+    def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None: ...
+
 
 class TorchOps:
     """The reference twins: the CPU path and the oracle of the Triton kernels."""
@@ -74,6 +76,9 @@ class TorchOps:
     def argmax_rows(self, logits):
         return logits.argmax(dim=-1)
 
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        reference.apply_token_bitmask(logits, bitmask, rows)
+
 
 class TritonOps:
     """The Triton kernels of this package (CUDA); imported here, so the CPU path never imports Triton."""
@@ -81,10 +86,11 @@ class TritonOps:
     name = "triton"
 
     def __init__(self) -> None:
-        from pagellm.kernels import activation, gemv, rmsnorm, rope, sampling
+        from pagellm.kernels import activation, bitmask, gemv, rmsnorm, rope, sampling
 
-        self._activation, self._gemv, self._rmsnorm, self._rope, self._sampling = (
+        self._activation, self._bitmask, self._gemv, self._rmsnorm, self._rope, self._sampling = (
             activation,
+            bitmask,
             gemv,
             rmsnorm,
             rope,
@@ -115,6 +121,9 @@ class TritonOps:
 
     def argmax_rows(self, logits):
         return self._sampling.argmax_rows(logits)
+
+    def apply_token_bitmask(self, logits, bitmask, rows):
+        self._bitmask.apply_token_bitmask(logits, bitmask, rows)
 
 
 def ops_for(device: torch.device) -> Ops:

@@ -222,3 +222,14 @@ def sample_rows(
         token[rows[accepted]] = draw[accepted]
         rows, lower, mass = rows[~accepted], p_draw[~accepted, 0], mass_above[~accepted]
     return token
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None:
+    """Structured outputs: in place, -inf for the tokens of logits row rows[i] whose bit is clear in bitmask[i]
+    (bit t % 32 of int32 word t // 32 set = token t allowed; xgrammar's layout)."""
+    vocab = logits.shape[1]
+    tokens = torch.arange(vocab, device=logits.device)
+    words = bitmask[:, tokens // 32]
+    allowed = ((words >> (tokens % 32)) & 1) != 0
+    rows = rows.long()
+    logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))

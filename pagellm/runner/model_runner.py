@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from pagellm.config import EngineConfig, ModelConfig, cdiv
-from pagellm.core.step import RunnerOutput, SamplingRow, SchedulerOutput, StepRow
+from pagellm.core.step import GrammarBitmask, RunnerOutput, SamplingRow, SchedulerOutput, StepRow
 from pagellm.kernels.ops import ops_for
 from pagellm.model.attention import LayerKVCache, allocate_kv_caches, get_backend
 from pagellm.model.layers import can_pack_for_cpu
@@ -57,13 +57,20 @@ def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Itera
 
 @dataclass
 class LaunchedStep:
-    """A step whose device work is enqueued: its inputs and the device tensors its outputs will land in."""
+    """A step whose device work is enqueued: its inputs and the device tensors its outputs will land in. A step
+    with constrained rows (structured outputs) has only its forward pass enqueued until `sample_constrained`
+    brings their bitmask."""
 
     batch: HostBatch
-    sampled: SampledTokens | None  # on the device, where the next step may read its token ids
-    sampled_host: SampledTokens | None  # host copies, complete once `copied` has passed
-    prompt_scores: list[tuple[PromptLogprobRows, ScoreTensors]]  # host copies, likewise
-    copied: torch.cuda.Event | None  # None on the CPU, where everything is done already
+    prompt_scores: list[tuple[PromptLogprobRows, ScoreTensors]]  # host copies, complete once `copied` has passed
+    logits: torch.Tensor | None = None  # kept while sampling waits for the bitmask
+    sampled: SampledTokens | None = None  # on the device, where the next step may read its token ids
+    sampled_host: SampledTokens | None = None  # host copies, likewise
+    copied: torch.cuda.Event | None = None  # None on the CPU, where everything is done already
+
+    @property
+    def awaits_bitmask(self) -> bool:
+        return self.logits is not None
 
 
 class ModelRunner:
@@ -190,6 +197,10 @@ class ModelRunner:
         for params in sampling:
             sampling_rows = [SamplingRow(params, 0, [0], []) for _ in batch.sampling_rows]
             self.sampler.sample(logits, self.sampler.prepare(sampling_rows))
+        if sampling:  # structured outputs' mask, allowing every token
+            rows = len(batch.sampling_rows)
+            bitmask = torch.full((rows, cdiv(logits.shape[1], 32)), -1, dtype=torch.int32, device=self.device)
+            self.ops.apply_token_bitmask(logits, bitmask, torch.arange(rows, dtype=torch.int32, device=self.device))
         torch.cuda.synchronize(self.device)
         del caches, logits
 
@@ -232,25 +243,43 @@ class ModelRunner:
     def launch(self, step: SchedulerOutput) -> LaunchedStep:
         """Enqueue one step's forward pass and sampling on the device and return without waiting for them.
         Rows whose input token is still being sampled (asynchronous scheduling) take it from the device, where
-        the step launched before this one leaves it."""
+        the step launched before this one leaves it. With constrained rows, sampling waits for
+        `sample_constrained`."""
         batch = build_host_batch(step, self.block_size)
         logits = self._forward(batch, self._pending_input_ids(batch), self.kv_caches)
-        sampled = None
-        if batch.sampling_rows:  # prepared once the forward pass is enqueued: the host work overlaps it
-            sampled = self.sampler.sample(logits[: len(batch.sampling_rows)], self.sampler.prepare(batch.sampling_rows))
         prompt_scores = [
             (rows, _score_prompt(logits[rows.rows], rows.targets, rows.top_n)) for rows in batch.prompt_logprob_rows
         ]
-        # Start the copies to the host now and mark their end: waiting on a plain `.tolist()` later would also
-        # wait for whatever was launched after this step (the next step, under asynchronous scheduling).
-        sampled_host = sampled_to_host_async(sampled) if sampled is not None else None
-        prompt_scores = [(rows, scores_to_host_async(scores)) for rows, scores in prompt_scores]
-        copied = None
-        if self.device.type == "cuda":
-            copied = torch.cuda.Event()
-            copied.record()
-        self._last_launched = LaunchedStep(batch, sampled, sampled_host, prompt_scores, copied)
-        return self._last_launched
+        # Start the copies to the host now: waiting on a plain `.tolist()` later would also wait for whatever was
+        # launched after this step (the next step, under asynchronous scheduling).
+        launched = LaunchedStep(batch, [(rows, scores_to_host_async(scores)) for rows, scores in prompt_scores])
+        self._last_launched = launched
+        if any(row.params.structured_outputs is not None for row in batch.sampling_rows):
+            launched.logits = logits[: len(batch.sampling_rows)]
+        else:
+            self._sample(launched, logits[: len(batch.sampling_rows)])
+        return launched
+
+    @torch.inference_mode()
+    def sample_constrained(self, launched: LaunchedStep, grammar: GrammarBitmask | None) -> None:
+        """Sample a launched step whose constrained rows waited for their bitmask: the tokens it clears get -inf
+        logits first. None: those rows' requests finished meanwhile (their rows are wasted)."""
+        logits, launched.logits = launched.logits, None
+        if grammar is not None:
+            row_of = {request_id: i for i, request_id in enumerate(launched.batch.sampling_ids)}
+            rows = torch.tensor([row_of[request_id] for request_id in grammar.request_ids], dtype=torch.int32)
+            bitmask = to_device_async(torch.from_numpy(grammar.bitmask), self.device)
+            self.ops.apply_token_bitmask(logits, bitmask, to_device_async(rows, self.device))
+        self._sample(launched, logits)
+
+    def _sample(self, launched: LaunchedStep, logits: torch.Tensor) -> None:
+        batch = launched.batch
+        if batch.sampling_rows:  # prepared once the forward pass is enqueued: the host work overlaps it
+            launched.sampled = self.sampler.sample(logits, self.sampler.prepare(batch.sampling_rows))
+            launched.sampled_host = sampled_to_host_async(launched.sampled)
+        if self.device.type == "cuda":  # marks the end of this step's copies to the host
+            launched.copied = torch.cuda.Event()
+            launched.copied.record()
 
     def _forward(self, batch: HostBatch, input_ids: torch.Tensor | None, kv_caches: list[LayerKVCache]) -> torch.Tensor:
         """Logits of the batch's logits rows; `input_ids` (on the device) replace its leading placeholders."""

@@ -56,10 +56,12 @@ def create_app(
     api_key: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     allowed_origins: list[str] | None = None,
+    tool_call_parser: str | None = None,
+    reasoning_parser: str | None = None,
 ) -> FastAPI:
     app = FastAPI(title="pagellm", version="0.1.0")
     metrics = ServerMetrics(model_name)
-    serving = OpenAIServing(llm, model_name, metrics)
+    serving = OpenAIServing(llm, model_name, metrics, tool_call_parser, reasoning_parser)
     started = int(time.time())
 
     # Each middleware added wraps the ones before: CORS, the outermost, answers preflights and labels every

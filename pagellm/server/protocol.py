@@ -8,12 +8,13 @@ naming it unless it carries its "off" value.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagellm.errors import InvalidParameter
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on samples per prompt
 
@@ -27,20 +28,46 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsBody(StrictModel):
+    """vLLM's `structured_outputs` extra body."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, populate_by_name=True)
+
+    json_: str | dict[str, Any] | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    disable_any_whitespace: bool = False
+
+
 # Known fields this server does not implement: (field, the values that mean "not used", what the field asks for).
 _NOT_IMPLEMENTED: list[tuple[str, tuple[Any, ...], str]] = [
-    ("response_format", (None, {"type": "text"}), "structured outputs"),
-    ("tools", (None, []), "tool calling"),
-    ("tool_choice", (None, "none"), "tool calling"),
-    ("functions", (None, []), "function calling"),
-    ("function_call", (None, "none"), "function calling"),
+    ("functions", (None, []), "function calling with `functions` (send `tools`)"),
+    ("function_call", (None, "none"), "function calling with `function_call` (send `tool_choice`)"),
     ("suffix", (None, ""), "insertion (suffix)"),
-    ("structured_outputs", (None,), "structured outputs"),
-    ("guided_json", (None,), "structured outputs"),
-    ("guided_regex", (None,), "structured outputs"),
-    ("guided_choice", (None,), "structured outputs"),
-    ("guided_grammar", (None,), "structured outputs"),
 ]
+# vLLM's older names for structured outputs: field -> StructuredOutputsParams field.
+GUIDED_ALIASES = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
 
 
 class SamplingFields(StrictModel):
@@ -67,19 +94,19 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the client's own records: it changes no output
-    # Declared so that they are rejected by name (see _NOT_IMPLEMENTED), not as unknown fields.
-    response_format: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
-    parallel_tool_calls: bool | None = None  # only means something with tools
-    structured_outputs: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
     guided_json: str | dict[str, Any] | None = None
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None,
     ) -> SamplingParams:
         self._check_supported()
         return SamplingParams(
@@ -102,13 +129,40 @@ class SamplingFields(StrictModel):
             prompt_logprobs=prompt_logprobs,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=structured_outputs,
         )
+
+    def requested_structure(self) -> tuple[str, StructuredOutputsParams] | None:
+        """The output constraint the request asks for, and the field it came from (which a bad schema's error
+        names). At most one field may ask."""
+        found: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif self.response_format is not None and self.response_format.type == "json_schema":
+            if self.response_format.json_schema is None:
+                raise InvalidParameter("response_format.json_schema", "response_format.json_schema: required")
+            found.append(("response_format.json_schema.schema", {"json": self.response_format.json_schema.json_schema}))
+        if self.structured_outputs is not None:
+            body = self.structured_outputs.model_dump(by_alias=True, exclude_none=True)
+            found.append(("structured_outputs", body))
+        for name, kind in GUIDED_ALIASES.items():
+            if getattr(self, name) is not None:
+                found.append((name, {kind: getattr(self, name)}))
+        if len(found) > 1:
+            raise InvalidParameter(found[1][0], f"{found[1][0]}: only one of {found[0][0]} and it may be set")
+        if not found:
+            return None
+        field, spec = found[0]
+        try:
+            return field, StructuredOutputsParams(**spec)
+        except InvalidParameter as exc:
+            raise InvalidParameter(field, f"{field}: {exc}") from exc
 
     def _check_supported(self) -> None:
         for name, off_values, feature in _NOT_IMPLEMENTED:
             value = getattr(self, name, None)
             if all(value != off for off in off_values):
-                raise InvalidParameter(name, f"{name}: {feature} is not supported by this server yet")
+                raise InvalidParameter(name, f"{name}: {feature} is not supported by this server")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameter("stream_options", "stream_options: only allowed with stream=true")
         if self.stream and self.prompt_logprobs is not None:
@@ -165,7 +219,8 @@ class CompletionRequest(SamplingFields):
             prompt_logprobs = max(prompt_logprobs or 0, self.logprobs)
         # The prompt alone still needs one step to score it: one token is drawn and not returned.
         max_tokens = 1 if self.prompt_only else self.max_tokens
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs)
+        structure = self.requested_structure()
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, structure and structure[1])
 
 
 class ContentPart(BaseModel):
@@ -185,9 +240,14 @@ class ChatMessage(StrictModel):
     def template_message(self, position: int) -> dict[str, Any]:
         """The message as the chat template reads it: content as plain text."""
         message: dict[str, Any] = {"role": self.role, "content": self._text(position)}
-        for key in ("name", "tool_calls", "tool_call_id"):
+        for key in ("name", "tool_call_id"):
             if getattr(self, key) is not None:
                 message[key] = getattr(self, key)
+        if self.tool_calls is not None:
+            message["tool_calls"] = [
+                _template_tool_call(call, f"messages.{position}.tool_calls.{i}")
+                for i, call in enumerate(self.tool_calls)
+            ]
         return message
 
     def _text(self, position: int) -> str:
@@ -202,8 +262,44 @@ class ChatMessage(StrictModel):
         return "".join(part.text for part in self.content)
 
 
+def _template_tool_call(call: dict[str, Any], field: str) -> dict[str, Any]:
+    """An earlier tool call as templates read it: OpenAI sends its arguments as JSON text, templates (Qwen's,
+    Llama's) write them out as an object."""
+    function = call.get("function")
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise InvalidParameter(field, f"{field}: needs function.name")
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as exc:
+            raise InvalidParameter(field, f"{field}: function.arguments is not JSON") from exc
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
     return [m.template_message(i) for i, m in enumerate(messages)]
+
+
+class FunctionDefinition(StrictModel):
+    name: str = Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -214,14 +310,19 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
+        """`structured_outputs`: what the request's own fields ask for (`requested_structure`) or what its
+        tool_choice forces."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs)
+        return self.sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs, structured_outputs)
 
     @property
     def requested_max_tokens(self) -> int | None:

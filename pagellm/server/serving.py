@@ -12,9 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.server.chat_output import ChatOutputRules, chat_output_rules
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, template_messages
 
@@ -23,11 +25,11 @@ ClientGone = Callable[[], Awaitable[None]]  # returns once the client has hung u
 
 @dataclass
 class Job:
-    """One API call: its validated prompts (n samples each, by `params`) and how to render them."""
+    """One API call: its validated requests (one per prompt, n samples each) and how to render them."""
 
     kind: str  # "completion" or "chat"
     model: str
-    prompts: list[list[int]]  # token ids, validated
+    requests: list[ProcessedRequest]
     params: SamplingParams
     prompt_texts: list[str]  # for echo (completions)
     echo: bool = False
@@ -35,6 +37,7 @@ class Job:
     return_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field
     include_usage: bool = False
     top_logprobs: int = 0
+    chat_rules: ChatOutputRules = field(default_factory=ChatOutputRules)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -48,13 +51,22 @@ class Job:
 
 
 class OpenAIServing:
-    def __init__(self, llm: AsyncLLM, model_name: str, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        llm: AsyncLLM,
+        model_name: str,
+        metrics: ServerMetrics,
+        tool_call_parser: str | None = None,
+        reasoning_parser: str | None = None,
+    ) -> None:
         self.llm = llm
         self.model_name = model_name
         self.metrics = metrics
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
-    # ---- building jobs: validation, tokenization and the chat template (slow for long inputs: the app runs
-    # these on a worker thread, off the event loop) ------------------------------------------------------------
+    # ---- building jobs: validation, tokenization, the chat template, grammars (slow for long inputs: the app
+    # runs these on a worker thread, off the event loop). Everything a request can get wrong is found here. ------
 
     def completion_job(self, req: CompletionRequest) -> Job:
         params = req.to_sampling_params()
@@ -64,10 +76,11 @@ class OpenAIServing:
             for prompt_ids in ids:
                 self._check_context_length(len(prompt_ids), req.max_tokens, "prompt")
         texts = [p if isinstance(p, str) else self._decode(p) for p in prompts]
+        job_id = uuid.uuid4().hex
         return Job(
             "completion",
             self.model_name,
-            ids,
+            self._process(job_id, ids, params, req.requested_structure()),
             params,
             texts,
             echo=req.echo,
@@ -75,32 +88,66 @@ class OpenAIServing:
             return_prompt_logprobs=req.prompt_logprobs is not None,
             include_usage=req.include_usage,
             top_logprobs=params.logprobs or 0,
+            id=job_id,
         )
 
     def chat_job(self, req: ChatCompletionRequest) -> Job:
-        params = req.to_sampling_params()
+        rules, forced = chat_output_rules(req, self.tool_call_parser, self.reasoning_parser)
+        structure = req.requested_structure()
+        if structure is not None and forced is not None:
+            raise InvalidParameter(
+                structure[0], f"{structure[0]}: cannot be combined with tool_choice={req.tool_choice}"
+            )
+        if forced is not None:
+            structure = ("tool_choice", forced)
+        params = req.to_sampling_params(structure and structure[1])
+        tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         ids = self.llm.input_processor.tokenize(
-            self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs)
+            self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
         )
         self._check_context_length(len(ids), req.requested_max_tokens, "messages")
+        job_id = uuid.uuid4().hex
         return Job(
             "chat",
             self.model_name,
-            [ids],
+            self._process(job_id, [ids], params, structure),
             params,
             [""],
             return_prompt_logprobs=req.prompt_logprobs is not None,
             include_usage=req.include_usage,
             top_logprobs=params.logprobs or 0,
+            chat_rules=rules,
+            id=job_id,
         )
 
+    def _process(
+        self,
+        job_id: str,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        structure: tuple[str, StructuredOutputsParams] | None,
+    ) -> list[ProcessedRequest]:
+        """The engine's validated requests; a grammar that does not compile is the fault of the field it came
+        from."""
+        try:
+            return [self.llm.input_processor.process(ids, params, f"{job_id}-{i}") for i, ids in enumerate(prompts)]
+        except InvalidParameter as exc:
+            if structure is None or not exc.param.startswith("structured_outputs"):
+                raise
+            field_name = structure[0]
+            raise InvalidParameter(field_name, f"{field_name}: {str(exc).split(': ', 1)[-1]}") from exc
+
     def chat_prompt_ids(
-        self, messages: list[ChatMessage], add_generation_prompt: bool, template_kwargs: dict[str, Any] | None
+        self,
+        messages: list[ChatMessage],
+        add_generation_prompt: bool,
+        template_kwargs: dict[str, Any] | None,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        return tokenizer.chat_prompt_ids(template_messages(messages), add_generation_prompt, template_kwargs)
+        return tokenizer.chat_prompt_ids(template_messages(messages), add_generation_prompt, template_kwargs, tools)
 
     def _check_context_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> None:
         """A request for more tokens than fit is refused (vLLM's answer), not cut short."""
@@ -123,15 +170,15 @@ class OpenAIServing:
         cancels the producers, whose streams then abort their requests."""
         queue: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, prompt: list[int]) -> None:
+        async def pump(index: int, request: ProcessedRequest) -> None:
             try:
-                async with aclosing(self.llm.generate(prompt, job.params)) as outputs:
+                async with aclosing(self.llm.stream(request)) as outputs:
                     async for out in outputs:
                         await queue.put((index, out))
             except Exception as exc:
                 await queue.put(exc)
 
-        tasks = [asyncio.create_task(pump(i, prompt)) for i, prompt in enumerate(job.prompts)]
+        tasks = [asyncio.create_task(pump(i, request)) for i, request in enumerate(job.requests)]
         remaining = len(tasks)
         try:
             while remaining:
@@ -151,7 +198,7 @@ class OpenAIServing:
         async for index, out in self._merged(job):
             if out.finished:
                 finals[index] = out
-        return [finals[i] for i in range(len(job.prompts))]
+        return [finals[i] for i in range(len(job.requests))]
 
     async def run(self, job: Job, client_gone: ClientGone) -> dict | None:
         """The whole response, or None if the client hung up first: its requests are then aborted at once."""
@@ -181,12 +228,10 @@ class OpenAIServing:
     async def stream(self, job: Job) -> AsyncIterator[str]:
         """SSE lines: one chunk per new text piece of each choice (one choice per chunk, as OpenAI sends them),
         a final usage chunk if asked, [DONE]."""
-        sent: dict[int, int] = {}  # choice index -> characters sent
-        logprobs_sent: dict[int, int] = {}  # choice index -> positions sent
-        offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
+        states: dict[int, _StreamState] = {}  # by choice index
         finals: dict[int, RequestOutput] = {}
         if job.kind == "chat":
-            for i in range(len(job.prompts) * job.n):
+            for i in range(len(job.requests) * job.n):
                 delta = {"role": "assistant", "content": ""}
                 yield _sse(self._chunk(job, [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
         async for prompt_index, out in self._merged(job):
@@ -194,33 +239,63 @@ class OpenAIServing:
                 finals[prompt_index] = out
             for c in out.outputs:
                 index = prompt_index * job.n + c.index
-                start = sent.get(index)
-                if start is None:
-                    start = 0
+                state = states.get(index)
+                if state is None:
+                    state = states[index] = _StreamState()
                     if job.echo:
-                        lp, offsets[index] = self._echo_logprobs(job, prompt_index, out)
-                        yield _sse(
-                            self._chunk(
-                                job, [self._stream_choice(job, index, job.prompt_texts[prompt_index], lp, None)]
-                            )
-                        )
+                        lp, state.offset = self._echo_logprobs(job, prompt_index, out)
+                        echo = self._stream_choice(job, index, job.prompt_texts[prompt_index], lp, None)
+                        yield _sse(self._chunk(job, [echo]))
                 text, token_ids, positions = self._generated(job, c)
-                delta = text[start:]
-                first_lp = logprobs_sent.get(index, 0)
-                new_logprobs = positions[first_lp:] if positions is not None else None
-                if delta or c.finished or new_logprobs:
-                    sent[index] = len(text)
-                    logprobs_sent[index] = len(positions or [])
-                    lp = None
-                    if new_logprobs is not None:
-                        lp = self._logprobs(job, new_logprobs, token_ids[first_lp:], offsets.get(index, 0))
-                        offsets[index] = _next_offset(lp, offsets.get(index, 0))
-                    finish = _finish(job, c)[0]
-                    yield _sse(self._chunk(job, [self._stream_choice(job, index, delta, lp, finish)]))
+                new_positions = positions[state.positions_sent :] if positions is not None else None
+                lp = None
+                if new_positions:
+                    lp = self._logprobs(job, new_positions, token_ids[state.positions_sent :], state.offset)
+                    state.offset = _next_offset(lp, state.offset)
+                    state.positions_sent = len(positions)
+                choice = (
+                    self._chat_stream_choice(job, index, c, state, lp)
+                    if job.kind == "chat"
+                    else self._completion_stream_choice(job, index, c, text, state, lp)
+                )
+                if choice is not None:
+                    yield _sse(self._chunk(job, [choice]))
         if job.include_usage:
             outputs = [finals[i] for i in sorted(finals)]
             yield _sse({**self._chunk(job, []), "usage": _usage(job, outputs)})
         yield "data: [DONE]\n\n"
+
+    def _completion_stream_choice(
+        self, job: Job, index: int, c: CompletionOutput, text: str, state: _StreamState, lp: dict | None
+    ) -> dict | None:
+        delta = text[len(state.content) :]
+        if not (delta or c.finished or lp):
+            return None
+        state.content = text
+        return self._stream_choice(job, index, delta, lp, _finish(job, c)[0])
+
+    def _chat_stream_choice(
+        self, job: Job, index: int, c: CompletionOutput, state: _StreamState, lp: dict | None
+    ) -> dict | None:
+        """The next chunk of a chat choice: new reasoning and content as far as they can be told apart from
+        tool-call text; at the end, whatever was held back and the tool calls."""
+        reasoning, content = job.chat_rules.streaming(c.text)
+        finish = c.finish_reason
+        calls = []
+        if c.finished:
+            reply = job.chat_rules.final(c.text)
+            reasoning, content, calls = reply.reasoning or "", reply.content or "", reply.tool_calls
+            finish = "tool_calls" if calls else finish
+        delta: dict[str, Any] = {}
+        if reasoning.startswith(state.reasoning) and len(reasoning) > len(state.reasoning):
+            delta["reasoning_content"], state.reasoning = reasoning[len(state.reasoning) :], reasoning
+        if content.startswith(state.content) and len(content) > len(state.content):
+            delta["content"], state.content = content[len(state.content) :], content
+        if calls:
+            delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
+        if not (delta or c.finished or lp):
+            return None
+        return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
 
     # ---- shaping --------------------------------------------------------------------------------------------
 
@@ -245,19 +320,24 @@ class OpenAIServing:
         """Logprobs of the echoed prompt (the first token has none), and the text offset after it."""
         if job.params.logprobs is None or out.prompt_logprobs is None:
             return None, 0
-        lp = self._logprobs(job, out.prompt_logprobs, job.prompts[prompt_index], 0)
+        lp = self._logprobs(job, out.prompt_logprobs, out.prompt_token_ids, 0)
         return lp, _next_offset(lp, 0)
 
     def _choice(self, job: Job, prompt_index: int, out: RequestOutput, c: CompletionOutput) -> dict:
         index = prompt_index * job.n + c.index
         text, token_ids, positions = self._generated(job, c)
         if job.kind == "chat":
-            logprobs = None if positions is None else self._logprobs(job, positions, token_ids, 0)
+            reply = job.chat_rules.final(text)
+            message: dict[str, Any] = {"role": "assistant", "content": reply.content}
+            if reply.reasoning is not None:
+                message["reasoning_content"] = reply.reasoning
+            if reply.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in reply.tool_calls]
             return {
                 "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": c.finish_reason,
+                "message": message,
+                "logprobs": None if positions is None else self._logprobs(job, positions, token_ids, 0),
+                "finish_reason": "tool_calls" if reply.tool_calls else c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
         logprobs, offset = None, 0
@@ -324,6 +404,16 @@ class OpenAIServing:
 
     def _decode_token(self, token_id: int) -> str | None:
         return None if self.llm.tokenizer is None else self.llm.tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+@dataclass
+class _StreamState:
+    """What a streamed choice has sent so far."""
+
+    content: str = ""  # the text (completions) or content (chat)
+    reasoning: str = ""
+    positions_sent: int = 0  # logprobs positions
+    offset: int = 0  # text_offset of the next token
 
 
 def _finish(job: Job, c: CompletionOutput) -> tuple[str | None, int | str | None]:

@@ -10,6 +10,7 @@ import torch
 
 from pagellm.kernels import reference
 from pagellm.kernels.activation import silu_and_mul
+from pagellm.kernels.bitmask import apply_token_bitmask
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
 from pagellm.kernels.gemv import gemv
 from pagellm.kernels.kv_write import write_kv
@@ -244,3 +245,25 @@ def test_gemv(dtype, n, k):
     out = gemv(x, weight)
     assert out.shape == (1, n) and out.dtype == dtype
     assert rel_err(out, x.double() @ weight.double().T) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", [1000, 4096 + 33])
+def test_apply_token_bitmask(dtype, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen).to(DEVICE, dtype)
+    rows = torch.tensor([4, 1, 2], dtype=torch.int32, device=DEVICE)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, -(-vocab // 32)), generator=gen, dtype=torch.int32).to(DEVICE)
+    expected = logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, rows)
+    out = logits.clone()
+    apply_token_bitmask(out, bitmask, rows)
+    assert torch.equal(out, expected)
+    # The twin against the layout itself: bit t % 32 of word t // 32.
+    words = bitmask.cpu().tolist()
+    for i, row in enumerate(rows.tolist()):
+        allowed = torch.tensor([(words[i][t // 32] >> (t % 32)) & 1 == 1 for t in range(vocab)])
+        assert torch.equal(expected[row].cpu()[allowed], logits[row].cpu()[allowed])
+        assert torch.all(expected[row].cpu()[~allowed] == float("-inf"))
+    untouched = [r for r in range(6) if r not in rows.tolist()]
+    assert torch.equal(expected[untouched], logits[untouched])

@@ -6,7 +6,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
@@ -15,7 +14,6 @@ import uvicorn
 from pagellm.config import EngineConfig
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.server.app import create_app
-from tests.conftest import make_tiny_model
 
 API_KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -70,19 +68,6 @@ def server(async_llm):
     srv, url = start_server(async_llm, max_body_bytes=64 * 1024)
     yield RunningServer(url, async_llm)
     srv.should_exit = True
-
-
-@pytest.fixture(scope="session")
-def tiny_chat_model_dir(tmp_path_factory, smollm2_gguf) -> Path:
-    """A small random-weight Llama with SmolLM2's tokenizer and chat template: every step takes milliseconds, so
-    fuzzed requests of any size finish quickly."""
-    from pagellm.model.loader import resolve_model_dir
-    from pagellm.tokenizer import Tokenizer
-
-    tokenizer = Tokenizer.from_dir(resolve_model_dir(str(smollm2_gguf), quiet=True))
-    path = make_tiny_model(tmp_path_factory, "Llama", vocab_size=tokenizer.vocab_size, max_position_embeddings=256)
-    tokenizer.hf.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

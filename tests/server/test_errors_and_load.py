@@ -58,15 +58,8 @@ def test_bad_chat_fields(server, body, param):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("response_format", {"type": "json_object"}),
-        ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-        ("tool_choice", "required"),
-        ("structured_outputs", {"json": {"type": "object"}}),
-        ("guided_json", {"type": "object"}),
-        ("guided_regex", "[a-z]+"),
-        ("guided_choice", ["yes", "no"]),
-        ("guided_grammar", "root ::= 'a'"),
         ("functions", [{"name": "f"}]),
+        ("function_call", {"name": "f"}),
     ],
 )
 def test_unimplemented_fields_are_refused_by_name(server, field, value):

@@ -1,0 +1,201 @@
+"""Structured outputs: grammars compiled by xgrammar, one matcher per constrained sample, and the per-step token
+bitmask of the constrained rows.
+
+Compiling happens with input processing, on the caller's thread (a bad schema is a 400 before anything is queued;
+the engine thread never waits for a compile), and compiled grammars are cached by their source. On the engine
+thread, a sample's matcher is advanced by each token the scheduler accepts and nothing else, so it never needs
+rolling back: the bitmask of a look-ahead step is filled once the step before it has come back (while the
+look-ahead step's forward pass runs on the device).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from typing import TYPE_CHECKING, Any
+
+from pagellm.core.step import GrammarBitmask, RequestUpdate, SchedulerOutput
+from pagellm.errors import InvalidParameter
+from pagellm.sampling_params import StructuredOutputsParams
+from pagellm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    import xgrammar
+
+# JSON-schema keywords xgrammar would not enforce (checked on xgrammar 0.2.9): refused rather than ignored.
+UNSUPPORTED_SCHEMA_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
+MAX_WHITESPACE = 20  # JSON: the longest whitespace run allowed between tokens (no endless runs of spaces)
+_CACHE_SIZE = 256
+
+logger = logging.getLogger(__name__)
+
+
+class GrammarCompiler:
+    """Compiles StructuredOutputsParams to xgrammar grammars for one tokenizer; safe on any thread."""
+
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, stop_token_ids: set[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler: xgrammar.GrammarCompiler | None = None  # built on first use: it reads the vocabulary
+        self._cache: dict[tuple[str, str, bool], xgrammar.CompiledGrammar] = {}
+        self._lock = threading.Lock()
+
+    def compile(self, params: StructuredOutputsParams) -> xgrammar.CompiledGrammar:
+        """The grammar of `params`, or InvalidParameter naming the field at fault."""
+        if self.tokenizer is None:
+            raise InvalidParameter("structured_outputs", "structured_outputs: this model has no tokenizer")
+        kind = params.kind
+        source = _source(params)
+        key = (kind, source, params.disable_any_whitespace)
+        with self._lock:
+            cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        compiled = self._compile(kind, source, params.disable_any_whitespace)
+        with self._lock:
+            if len(self._cache) >= _CACHE_SIZE:
+                self._cache.pop(next(iter(self._cache)))
+            self._cache[key] = compiled
+        return compiled
+
+    def _compile(self, kind: str, source: str, compact: bool) -> xgrammar.CompiledGrammar:
+        compiler = self._get_compiler()
+        field = f"structured_outputs.{kind}"
+        try:
+            if kind == "json":
+                check_json_schema(json.loads(source), field)
+                return _json_grammar(compiler, source, compact)
+            if kind == "json_object":  # any object (xgrammar's built-in JSON grammar takes any value)
+                return _json_grammar(compiler, '{"type": "object"}', compact, strict=False)
+            if kind == "regex":
+                return compiler.compile_regex(source)
+            if kind == "choice":
+                return compiler.compile_grammar(choice_grammar(json.loads(source)))
+            if "::=" in source:  # xgrammar's EBNF; anything else is read as Lark
+                return compiler.compile_grammar(source)
+            return compiler.compile_lark(source)
+        except RuntimeError as exc:  # xgrammar's parse and conversion errors
+            raise InvalidParameter(field, f"{field}: {_xgrammar_message(exc)}") from exc
+
+    def _get_compiler(self) -> xgrammar.GrammarCompiler:
+        import xgrammar
+
+        with self._lock:
+            if self._compiler is None:
+                info = xgrammar.TokenizerInfo.from_huggingface(
+                    self.tokenizer.hf, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+                )
+                self._compiler = xgrammar.GrammarCompiler(info, cache_enabled=False)  # cached above, by source
+            return self._compiler
+
+
+def _json_grammar(
+    compiler: xgrammar.GrammarCompiler, schema: str, compact: bool, strict: bool = True
+) -> xgrammar.CompiledGrammar:
+    """strict: no properties or items beyond those the schema names (xgrammar's strict mode)."""
+    whitespace = None if compact else MAX_WHITESPACE
+    return compiler.compile_json_schema(
+        schema, any_whitespace=not compact, max_whitespace_cnt=whitespace, strict_mode=strict
+    )
+
+
+def _source(params: StructuredOutputsParams) -> str:
+    if params.json is not None:
+        return params.json if isinstance(params.json, str) else json.dumps(params.json, sort_keys=True)
+    if params.choice is not None:
+        return json.dumps(params.choice)
+    return params.regex or params.grammar or ""
+
+
+def check_json_schema(schema: Any, field: str) -> None:
+    """A valid JSON schema (against its metaschema) that uses only keywords the grammar enforces."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise InvalidParameter(field, f"{field}: not a valid JSON schema: {exc.message}") from exc
+    path = _unsupported_keyword(schema, "#")
+    if path is not None:
+        raise InvalidParameter(field, f"{field}: {path} is not supported (the output could not be held to it)")
+
+
+def _unsupported_keyword(node: Any, path: str) -> str | None:
+    if isinstance(node, list):
+        return next((p for i, item in enumerate(node) if (p := _unsupported_keyword(item, f"{path}/{i}"))), None)
+    if not isinstance(node, dict):
+        return None
+    for key, value in node.items():
+        if key in UNSUPPORTED_SCHEMA_KEYWORDS or (key == "allOf" and isinstance(value, list) and len(value) > 1):
+            return f"{path}/{key}"
+        if key in ("enum", "const", "default", "examples"):  # values, not schemas
+            continue
+        found = _unsupported_keyword(value, f"{path}/{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose sentences are exactly the choices."""
+    return "root ::= " + " | ".join(json.dumps(c) for c in choices)
+
+
+def _xgrammar_message(exc: RuntimeError) -> str:
+    """xgrammar's message without its '[time] /path/file.cc:line: ' prefix."""
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(exc)).strip()
+
+
+class StructuredOutputs:
+    """The engine thread's side: a matcher per constrained sample, advanced by the tokens it is given."""
+
+    def __init__(self) -> None:
+        self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._matchers)
+
+    def add(self, request_id: str, grammar: xgrammar.CompiledGrammar) -> None:
+        import xgrammar
+
+        self._matchers[request_id] = xgrammar.GrammarMatcher(grammar)
+
+    def remove(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self._matchers.pop(request_id, None)
+
+    def accept(self, updates: list[RequestUpdate]) -> None:
+        """Advance the matchers by the step's new tokens; forget the samples that finished."""
+        for update in updates:
+            matcher = self._matchers.get(update.request_id)
+            if matcher is None or update.new_token_id is None:
+                continue
+            if update.finish_reason is not None:
+                del self._matchers[update.request_id]
+            elif not matcher.accept_token(update.new_token_id):
+                # Only a token the mask allowed can be sampled: a bug, logged; the sample goes on unconstrained.
+                logger.error("request %s: token %d is outside its grammar", update.request_id, update.new_token_id)
+                del self._matchers[update.request_id]
+
+    def bitmask(self, step: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
+        """The allowed tokens of the step's constrained sampling rows, or None when it has none."""
+        import xgrammar
+
+        ids = [row.request_id for row in step.rows if row.sampling is not None and row.request_id in self._matchers]
+        if not ids:
+            return None
+        bitmask = xgrammar.allocate_token_bitmask(len(ids), vocab_size)
+        for i, request_id in enumerate(ids):
+            self._matchers[request_id].fill_next_token_bitmask(bitmask, i)
+        return GrammarBitmask(ids, bitmask.numpy())

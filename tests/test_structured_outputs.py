@@ -1,0 +1,174 @@
+"""Structured outputs in the engine (offline API): constrained samples follow their grammar, unconstrained rows
+batched with them are untouched, bad grammars are refused before anything is queued; tool-call and reasoning
+parsers on recorded outputs of each model family, streamed and not."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from transformers import AutoTokenizer
+
+from pagellm import LLM, SamplingParams, StructuredOutputsParams
+from pagellm.errors import InvalidParameter
+from pagellm.outputs import CompletionOutput
+from pagellm.server.chat_output import ChatOutputRules
+from pagellm.server.serving import Job, OpenAIServing, _StreamState
+from pagellm.server.tool_parsers import TOOL_PARSERS, Qwen3ReasoningParser
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_llm(tiny_chat_model_dir):
+    return LLM(str(tiny_chat_model_dir), device="cpu", dtype="float32", quiet=True)
+
+
+def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny_chat_llm):
+    prompts = [[10, 20, 30], [40, 50], [60, 70, 80, 90]]
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    alone = tiny_chat_llm.generate(prompts, greedy, use_tqdm=False)
+    regex = StructuredOutputsParams(regex="[a-z]{3,40}")
+    constrained = SamplingParams(temperature=1.0, max_tokens=24, seed=1, structured_outputs=regex)
+    mixed = tiny_chat_llm.generate(
+        prompts[:1] + [[5, 6]] + prompts[1:] + [[7, 8, 9]],
+        [greedy, constrained, greedy, greedy, constrained],
+        use_tqdm=False,
+    )
+    assert [o.outputs[0].token_ids for o in alone] == [mixed[i].outputs[0].token_ids for i in (0, 2, 3)]
+    for i in (1, 4):  # a random model follows the grammar too (it is cut by max_tokens, not by the grammar)
+        text = mixed[i].outputs[0].text
+        assert re.fullmatch("[a-z]{3,40}", text) or (mixed[i].outputs[0].finish_reason == "length" and text.isalpha())
+
+
+def test_offline_structured_outputs_on_smollm2(smollm2_llm):
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "legs": {"type": "integer", "maximum": 8}},
+        "required": ["name", "legs"],
+    }
+    params = SamplingParams(n=3, temperature=1.0, seed=2, max_tokens=80, structured_outputs={"json": schema})
+    out = smollm2_llm.chat([{"role": "user", "content": "An animal as JSON."}], params, use_tqdm=False)[0]
+    for sample in out.outputs:
+        value = json.loads(sample.text)
+        assert set(value) == {"name", "legs"} and isinstance(value["legs"], int) and value["legs"] <= 8
+    choice = SamplingParams(
+        temperature=1.0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["A", "B"])
+    )
+    assert smollm2_llm.generate("Answer:", choice, use_tqdm=False)[0].outputs[0].text in ("A", "B")
+
+
+def test_bad_grammars_queue_nothing(smollm2_llm):
+    good = SamplingParams(max_tokens=2)
+    bad = SamplingParams(structured_outputs=StructuredOutputsParams(regex="(unclosed"))
+    with pytest.raises(InvalidParameter, match="structured_outputs.regex"):
+        smollm2_llm.generate(["a", "b"], [good, bad], use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished()
+    with pytest.raises(InvalidParameter, match="exactly one"):
+        StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(InvalidParameter, match="structured_outputs"):
+        SamplingParams(structured_outputs={"jsn": {}})
+
+
+def test_chat_renders_tools_like_hf(tiny_chat_model_dir, tmp_path):
+    """LLM.chat(tools=...) gives the tokens HF's own apply_chat_template(tools=...) gives."""
+    import shutil
+
+    model_dir = tmp_path / "with-tools-template"
+    shutil.copytree(tiny_chat_model_dir, model_dir)
+    template = (
+        "{% for tool in tools or [] %}<tool>{{ tool.function.name }}: {{ tool.function.description }}</tool>\n"
+        "{% endfor %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (model_dir / "chat_template.jinja").write_text(template)
+    tools = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": {}}}]
+    messages = [{"role": "user", "content": "Weather?"}]
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", quiet=True)
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    expected = hf.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    assert "<tool>get_weather: Forecast</tool>" in expected
+    ours = llm.chat(messages, SamplingParams(max_tokens=1), tools=tools, use_tqdm=False)[0].prompt_token_ids
+    assert ours == hf.encode(expected, add_special_tokens=False)
+
+
+RECORDED = [  # (parser, reply as the model wrote it, content, [(name, arguments)])
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>',
+        "Let me check.",
+        [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})],
+    ),
+    ("hermes", "It is sunny in Paris today.", "It is sunny in Paris today.", []),
+    ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
+    (
+        "llama3_json",
+        '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Oslo", "days": 3}}',
+        None,
+        [("get_weather", {"city": "Oslo", "days": 3})],
+    ),
+    (
+        "llama3_json",
+        '{"name": "a", "parameters": {}}; {"name": "b", "parameters": {"x": 1}}',
+        None,
+        [("a", {}), ("b", {"x": 1})],
+    ),
+    ("llama3_json", "Oslo is rainy.", "Oslo is rainy.", []),
+    (
+        "pythonic",
+        '[get_weather(city="San Francisco", days=2), get_time(zone="UTC", exact=True)]',
+        None,
+        [("get_weather", {"city": "San Francisco", "days": 2}), ("get_time", {"zone": "UTC", "exact": True})],
+    ),
+    ("pythonic", "[1, 2, 3] are numbers.", "[1, 2, 3] are numbers.", []),
+]
+
+
+@pytest.mark.parametrize("parser,reply,content,calls", RECORDED)
+def test_tool_parsers_on_recorded_replies(parser, reply, content, calls):
+    got_content, got_calls = TOOL_PARSERS[parser]().parse(reply)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+
+
+def stream_through_serving(rules: ChatOutputRules, reply: str, piece: int = 3) -> tuple[str, str, list, str]:
+    """The chunks the server sends for `reply` arriving `piece` characters at a time, merged as a client would:
+    (reasoning, content, [(name, arguments)], finish_reason)."""
+    serving = OpenAIServing.__new__(OpenAIServing)
+    job = Job("chat", "m", [], SamplingParams(), [""], chat_rules=rules)
+    state, reasoning, content, calls, finish = _StreamState(), "", "", [], None
+    for end in list(range(piece, len(reply), piece)) + [len(reply)]:
+        done = end == len(reply)
+        out = CompletionOutput(0, reply[:end], [], finish_reason="stop" if done else None)
+        choice = serving._chat_stream_choice(job, 0, out, state, None)
+        if choice is None:
+            continue
+        delta = choice["delta"]
+        reasoning += delta.get("reasoning_content", "")
+        content += delta.get("content", "")
+        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in delta.get("tool_calls", [])]
+        finish = choice["finish_reason"] or finish
+    return reasoning, content, calls, finish
+
+
+@pytest.mark.parametrize("parser,reply,content,calls", RECORDED)
+@pytest.mark.parametrize("piece", [1, 4])
+def test_streamed_tool_calls_reassemble_to_the_whole(parser, reply, content, calls, piece):
+    rules = ChatOutputRules("auto", TOOL_PARSERS[parser]())
+    _, streamed, streamed_calls, finish = stream_through_serving(rules, reply, piece)
+    assert streamed_calls == calls
+    assert streamed.strip() == (content or "")
+    assert finish == ("tool_calls" if calls else "stop")
+    if calls:  # no part of a call leaked into the content on the way
+        assert "get_" not in streamed and "{" not in streamed
+
+
+@pytest.mark.parametrize("piece", [1, 5])
+def test_reasoning_split_streamed_and_not(piece):
+    parser = Qwen3ReasoningParser()
+    reply = "<think>\nFirst, 2 + 2.\nThat is 4.\n</think>\n\nThe answer is 4."
+    assert parser.split(reply) == ("First, 2 + 2.\nThat is 4.", "The answer is 4.")
+    assert parser.split("<think>still going") == ("still going", "")
+    assert parser.split("No thinking here.") == (None, "No thinking here.")
+    reasoning, content, _, _ = stream_through_serving(ChatOutputRules(reasoning_parser=parser), reply, piece)
+    assert reasoning.strip() == "First, 2 + 2.\nThat is 4." and content == "The answer is 4."
