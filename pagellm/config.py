@@ -158,6 +158,9 @@ class EngineConfig:
     async_scheduling: bool = _option(True, "launch a decode step before the previous one's tokens are back")
     seed: int = _option(0, "seed of unseeded requests' sampling (and of dummy weights)")
     load_format: str = _option("auto", "how to read the weights", LOAD_FORMATS)
+    tensor_parallel_size: int = _option(
+        1, "ranks the model is split over (processes on this host: one GPU each, or gloo on the CPU)", aliases=("-tp",)
+    )
     quiet: bool = _option(False, "hide progress bars")
 
     def __post_init__(self) -> None:
@@ -182,6 +185,7 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, ">= 1")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
 
     @property
     def token_budget(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,6 +23,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.executor import TensorParallelExecutor
 from pagellm.engine.engine import Engine, EngineStats
 from pagellm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagellm.errors import InvalidParameter
@@ -42,6 +44,7 @@ class _Stream:
 
 
 RATE_WINDOW_S = 5.0
+RANK_DEATH_GRACE_S = 1.0  # for the error answers to reach the clients
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class AsyncLLM:
         self._stop = threading.Event()
         self.stats = LiveStats(self.engine.stats())
         self.error: BaseException | None = None
+        if isinstance(self.engine.runner, TensorParallelExecutor):
+            self.engine.runner.on_rank_death = self._on_rank_death
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
         self._thread.start()
 
@@ -91,6 +96,7 @@ class AsyncLLM:
         self._stop.set()
         self._commands.put(("wake", None))
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # ---- caller side ----------------------------------------------------------------------------------------
 
@@ -140,11 +146,21 @@ class AsyncLLM:
                     self._publish(outputs)
         except BaseException as exc:  # a bug in the engine: fail every stream rather than hang them
             logger.exception("engine loop died")
-            self.error = exc
-            with self._lock:
-                streams = list(self._streams.values())
-            for stream in streams:
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+            self._fail_streams(exc)
+
+    def _fail_streams(self, exc: BaseException) -> None:
+        self.error = exc
+        with self._lock:
+            streams = list(self._streams.values())
+        for stream in streams:
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+
+    def _on_rank_death(self, reason: str) -> None:
+        """Another tensor-parallel rank died: the engine cannot go on. Every caller gets the error (the server
+        answers 5xx), then the process exits with an error, as a server without its model should."""
+        logger.error("%s: failing every request and exiting", reason)
+        self._fail_streams(RuntimeError(reason))
+        threading.Timer(RANK_DEATH_GRACE_S, os._exit, args=(1,)).start()
 
     def _apply_commands(self, block: bool) -> None:
         try:

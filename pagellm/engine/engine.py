@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pagellm.config import EngineConfig, ModelConfig, resolve_max_model_len
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.step import SchedulerOutput
+from pagellm.distributed.executor import RankLaunched, TensorParallelExecutor
 from pagellm.engine.input_processor import InputProcessor, ProcessedRequest, eos_token_ids
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.output_processor import OutputProcessor
@@ -48,7 +49,7 @@ class Engine:
         # Seconds spent in each start-up phase, logged and kept for benchmarks.
         self.startup_seconds: dict[str, float] = {}
         with self._phase("load_model"):
-            self.runner = ModelRunner(self.model_config, config, self.model_dir, self.max_model_len)
+            self.runner = make_runner(self.model_config, config, self.model_dir, self.max_model_len)
         with self._phase("compile_kernels"):
             self.runner.compile_kernels()  # started before the weights loaded: this is what their loading did not hide
         with self._phase("profile_memory"):
@@ -157,13 +158,26 @@ class Engine:
             grammar = self.structured_outputs.bitmask(in_flight.step, self.model_config.vocab_size)
             self.runner.sample_constrained(in_flight.launched, grammar)
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks, if any (they also stop when this process exits)."""
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.shutdown()
+
     def stats(self) -> EngineStats:
         return EngineStats(
             **vars(self.scheduler.stats()), generation_tokens_total=self.output_processor.generation_tokens_total
         )
 
 
+def make_runner(
+    model_config: ModelConfig, config: EngineConfig, model_dir, max_model_len: int
+) -> ModelRunner | TensorParallelExecutor:
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(model_config, config, model_dir, max_model_len)
+    return TensorParallelExecutor(model_config, config, model_dir, max_model_len)
+
+
 @dataclass
 class _InFlight:
     step: SchedulerOutput
-    launched: LaunchedStep
+    launched: LaunchedStep | RankLaunched

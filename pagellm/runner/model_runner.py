@@ -12,6 +12,7 @@ import torch
 
 from pagellm.config import EngineConfig, ModelConfig, cdiv
 from pagellm.core.step import GrammarBitmask, RunnerOutput, SamplingRow, SchedulerOutput, StepRow
+from pagellm.distributed.parallel import TensorParallel, shard_config
 from pagellm.kernels.ops import ops_for
 from pagellm.model.attention import LayerKVCache, allocate_kv_caches, get_backend
 from pagellm.model.layers import can_pack_for_cpu
@@ -74,10 +75,25 @@ class LaunchedStep:
 
 
 class ModelRunner:
-    def __init__(self, model_config: ModelConfig, engine_config: EngineConfig, model_dir, max_model_len: int) -> None:
-        self.config = model_config
+    """One rank's runner: under tensor parallelism (`tp`) it holds its share of the model and of every layer's KV
+    cache (`self.config` is that share), and the ranks run every step together."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        engine_config: EngineConfig,
+        model_dir,
+        max_model_len: int,
+        tp: TensorParallel | None = None,
+    ) -> None:
+        tp = tp or TensorParallel()
+        self.config = shard_config(model_config, tp)
         self.engine_config = engine_config
         self.device = engine_config.resolve_device()
+        if self.device.type == "cuda" and tp.size > 1:
+            self.device = torch.device("cuda", tp.rank)
+        # Decode steps replay CUDA graphs; not yet under tensor parallelism, whose NCCL calls would be captured.
+        self.use_cuda_graphs = self.device.type == "cuda" and not engine_config.enforce_eager and tp.size == 1
         self.dtype = engine_config.resolve_dtype(model_config, self.device)
         self.kv_dtype = engine_config.resolve_kv_dtype(self.dtype)
         self.block_size = engine_config.block_size
@@ -88,7 +104,7 @@ class ModelRunner:
         # What this process held on the GPU before this engine: other engines' memory is not ours to count.
         self._gpu_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
         with _default_dtype_and_device(self.dtype, self.device):
-            self.model = model_class(model_config)(model_config, self.backend, self.ops, max_positions)
+            self.model = model_class(model_config)(model_config, self.backend, self.ops, max_positions, tp)
         self.model.eval()
         self.sampler = Sampler(engine_config.seed, self.device, self.ops)
         self.kv_caches: list[LayerKVCache] = []
@@ -153,7 +169,7 @@ class ModelRunner:
         from pagellm.kernels.decode_attention import SMALL_BATCH
 
         cfg = self.engine_config
-        if cfg.enforce_eager:
+        if not self.use_cuda_graphs:
             decode_batches = sorted({1, min(cfg.max_num_seqs, SMALL_BATCH + 1)})
         else:
             decode_batches = capture_sizes(cfg.max_num_seqs)
@@ -226,7 +242,7 @@ class ModelRunner:
             self.kv_dtype,
             self.device,
         )
-        if self.device.type == "cuda" and not self.engine_config.enforce_eager:
+        if self.use_cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model,
                 self.kv_caches,

@@ -1,0 +1,1 @@
+"""Tensor and data parallelism on torch.distributed."""

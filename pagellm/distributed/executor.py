@@ -1,0 +1,213 @@
+"""Tensor-parallel execution on one host: rank 0 (the engine's process) and one spawned process per other rank,
+each with its ModelRunner over its share of the model.
+
+Rank 0 stands in for its runner (the same methods): each call is first sent to the other ranks over a gloo group
+(the plain step data of `core/step.py` pickles), then run on every rank at once, so the ranks meet at the same
+collectives in the same order. Every rank samples the same tokens from the same gathered logits (the sampler's
+noise is keyed by seeds every rank derives alike), so a look-ahead step finds its input tokens on every device;
+only rank 0's outputs are read.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import logging
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pagellm.config import EngineConfig, ModelConfig
+from pagellm.core.step import GrammarBitmask, RunnerOutput, SchedulerOutput
+from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel
+from pagellm.runner.model_runner import LaunchedStep, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# A rank that does not answer a collective within this is taken as dead (gloo's default is 30 minutes).
+PR_SET_PDEATHSIG = 1
+COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("PAGELLM_COLLECTIVE_TIMEOUT_S", "120")))
+
+
+@dataclass
+class RankLaunched:
+    """A step launched on every rank: its number (how the other ranks name it) and rank 0's own handle."""
+
+    number: int
+    local: LaunchedStep
+
+    @property
+    def awaits_bitmask(self) -> bool:
+        return self.local.awaits_bitmask
+
+
+def init_ranks(rank: int, size: int, init_method: str, device: torch.device) -> tuple[TensorParallel, Any]:
+    """Join the process group: NCCL for the model's collectives on CUDA (gloo on the CPU), and a gloo group for
+    the step data either way."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
+    control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return TensorParallel(rank, size, dist.group.WORLD), control
+
+
+class TensorParallelExecutor:
+    """Rank 0's side: its runner, the other ranks' processes, and the calls it sends them."""
+
+    def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
+        size = config.tensor_parallel_size
+        check_tensor_parallel(model_config, size)
+        device = config.resolve_device()
+        if device.type == "cuda" and size > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={size} exceeds the {torch.cuda.device_count()} visible GPUs")
+        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        context = mp.get_context("spawn")
+        self.workers = [
+            context.Process(
+                target=run_worker,
+                args=(rank, size, init_method, model_config, config, model_dir, max_model_len),
+                name=f"pagellm-rank{rank}",
+                daemon=True,
+            )
+            for rank in range(1, size)
+        ]
+        for worker in self.workers:
+            worker.start()
+        self._closed = False
+        # What to do when another rank dies: rank 0 would wait in its next collective for COLLECTIVE_TIMEOUT.
+        self.on_rank_death: Callable[[str], None] = _exit_on_rank_death
+        threading.Thread(target=self._watch_ranks, name="pagellm-rank-watch", daemon=True).start()
+        self.tp, self.control = init_ranks(0, size, init_method, device)
+        self.runner = ModelRunner(model_config, config, model_dir, max_model_len, self.tp)
+        self._launched = 0
+        atexit.register(self.shutdown)
+
+    def _watch_ranks(self) -> None:
+        while not self._closed:
+            for worker in self.workers:
+                if worker.exitcode is not None and not self._closed:
+                    self.on_rank_death(f"tensor-parallel {worker.name} died (exit code {worker.exitcode})")
+                    return
+            time.sleep(0.2)
+
+    @property
+    def graphs(self):
+        return self.runner.graphs
+
+    def _send(self, method: str, *args: Any) -> None:
+        dist.broadcast_object_list([(method, args)], src=0, group=self.control)
+
+    def compile_kernels(self) -> None:
+        self._send("compile_kernels")
+        self.runner.compile_kernels()
+
+    def determine_num_blocks(self) -> int:
+        self._send("determine_num_blocks")
+        return smallest_over_ranks(self.runner.determine_num_blocks(), self.control)
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._send("allocate_kv_cache", num_blocks)
+        self.runner.allocate_kv_cache(num_blocks)
+
+    def launch(self, step: SchedulerOutput) -> RankLaunched:
+        self._launched += 1
+        self._send("launch", self._launched, step)
+        return RankLaunched(self._launched, self.runner.launch(step))
+
+    def sample_constrained(self, launched: RankLaunched, grammar: GrammarBitmask | None) -> None:
+        self._send("sample_constrained", launched.number, grammar)
+        self.runner.sample_constrained(launched.local, grammar)
+
+    def collect(self, launched: RankLaunched) -> RunnerOutput:
+        self._send("collect", launched.number)
+        return self.runner.collect(launched.local)
+
+    def shutdown(self) -> None:
+        """Stop the other ranks and leave the process group (idempotent; also run at exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._send("shutdown")
+        except RuntimeError:  # a rank is gone already
+            pass
+        for worker in self.workers:
+            worker.join(timeout=10)
+            if worker.is_alive():
+                worker.kill()
+        dist.destroy_process_group()
+
+
+def _exit_on_rank_death(reason: str) -> None:
+    """The ranks cannot go on without one of them: end the process with an error rather than hang."""
+    logger.error("%s: stopping", reason)
+    os._exit(1)
+
+
+def smallest_over_ranks(value: int, group: Any) -> int:
+    """The KV pool every rank can hold: the smallest of the ranks' counts."""
+    tensor = torch.tensor([value])
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+    return int(tensor.item())
+
+
+def run_worker(
+    rank: int,
+    size: int,
+    init_method: str,
+    model_config: ModelConfig,
+    config: EngineConfig,
+    model_dir: Path,
+    max_model_len: int,
+) -> None:
+    """Another rank's process: build its runner, then run what rank 0 sends until it says to stop."""
+    _die_with_parent()
+    torch.set_num_threads(max(1, torch.get_num_threads() // size))
+    tp, control = init_ranks(rank, size, init_method, config.resolve_device())
+    runner = ModelRunner(model_config, config, model_dir, max_model_len, tp)
+    launched: dict[int, LaunchedStep] = {}
+    while True:
+        message: list[Any] = [None]
+        dist.broadcast_object_list(message, src=0, group=control)
+        method, args = message[0]
+        if method == "shutdown":
+            break
+        if method == "launch":
+            number, step = args
+            launched[number] = runner.launch(step)
+        elif method == "sample_constrained":
+            number, grammar = args
+            runner.sample_constrained(launched[number], grammar)
+        elif method == "collect":
+            runner.collect(launched.pop(args[0]))
+        elif method == "determine_num_blocks":
+            smallest_over_ranks(runner.determine_num_blocks(), control)
+        else:
+            getattr(runner, method)(*args)
+    dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGKILL when rank 0's process goes, however it goes (no orphaned ranks)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:  # not glibc: daemon processes still stop with a normal exit
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,136 @@
+"""Tensor parallelism on the CPU (two gloo ranks, fp32): the same greedy tokens and prompt logprobs as one rank,
+for each family's layout (biases, q/k norms, one KV head shared by both ranks, a vocabulary that does not split
+evenly), also under preemption and prefix hits; each rank reads only its share of the checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import ModelConfig
+from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel, checkpoint_slice
+from pagellm.model.loader import load_config_dict
+from tests.conftest import make_tiny_model
+
+pytestmark = pytest.mark.slow
+
+FAMILIES = [
+    ("Llama", {}),
+    ("Qwen2", {}),  # q/k/v biases
+    ("Qwen3", {"head_dim": 16}),  # per-head q/k norms
+    ("Llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
+    ("Mistral", {"vocab_size": 509}),  # the last vocabulary shard is short
+]
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 70)), [300, 200, 100, 50]]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def run(model_dir, tp: int, prompts, params, **options) -> tuple[list[list[int]], list, LLM]:
+    llm = LLM(str(model_dir), device="cpu", dtype="float32", quiet=True, tensor_parallel_size=tp, **options)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], outs, llm
+
+
+@pytest.mark.parametrize("arch,overrides", FAMILIES, ids=[f"{a}-{'-'.join(o) or 'base'}" for a, o in FAMILIES])
+def test_tp2_equals_tp1(tmp_path_factory, arch, overrides):
+    model_dir = make_tiny_model(tmp_path_factory, arch, **overrides)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, prompt_logprobs=0)
+    one, one_outs, llm1 = run(model_dir, 1, PROMPTS, params)
+    two, two_outs, llm2 = run(model_dir, 2, PROMPTS, params)
+    assert two == one
+    for a, b in zip(one_outs, two_outs):
+        for pos in range(1, len(a.prompt_token_ids)):
+            token = a.prompt_token_ids[pos]
+            assert abs(a.prompt_logprobs[pos][token].logprob - b.prompt_logprobs[pos][token].logprob) < 1e-4
+    llm2.shutdown()
+
+
+def test_tp2_under_preemption_and_prefix_hits(tmp_path_factory):
+    model_dir = make_tiny_model(tmp_path_factory, "Llama")
+    shared = list(range(100, 140))  # a 40-token prefix: two full blocks for the prefix cache
+    prompts = [shared + [i, i + 1] for i in range(6)] + PROMPTS
+    options = dict(num_kv_blocks=14, block_size=16, max_num_seqs=8)
+    one, _, _ = run(model_dir, 1, prompts, GREEDY, **options)
+    two, _, llm = run(model_dir, 2, prompts, GREEDY, **options)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert two == one
+    llm.shutdown()
+
+
+def test_each_rank_reads_only_its_share(tiny_llama_dir):
+    """What `checkpoint_slice` makes a rank read, summed over the checkpoint: half of every split tensor."""
+    from safetensors import safe_open
+
+    config = ModelConfig.from_dict(load_config_dict(tiny_llama_dir))
+    total, replicated, per_rank = 0, 0, [0, 0]
+    with safe_open(str(tiny_llama_dir / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            shape = list(f.get_slice(name).get_shape())
+            numel = torch.Size(shape).numel()
+            total += numel
+            replicated += numel if "norm" in name else 0
+            for rank in (0, 1):
+                part = checkpoint_slice(name.removeprefix("model."), shape, config, TensorParallel(rank, 2))
+                per_rank[rank] += numel if part is None else numel // shape[part[0]] * part[2]
+    assert replicated < total // 10
+    for read in per_rank:
+        assert read == (total - replicated) // 2 + replicated
+
+
+def test_bad_tensor_parallel_size_names_both_numbers(tiny_llama_dir):
+    config = ModelConfig.from_dict(load_config_dict(tiny_llama_dir))  # 4 heads, 2 KV heads, intermediate 128
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=3 does not divide the model's attention heads \(4\)"):
+        check_tensor_parallel(config, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        LLM(str(tiny_llama_dir), device="cpu", tensor_parallel_size=0)
+
+
+RANKS_SCRIPT = """
+import sys, time
+from pagellm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", quiet=True, tensor_parallel_size=2)
+print(" ".join(str(w.pid) for w in llm.engine.runner.workers), flush=True)
+params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+while True:
+    llm.generate([[1, 2, 3]] * 8, params, use_tqdm=False)
+"""
+
+
+def start_ranks(model_dir) -> tuple[subprocess.Popen, int]:
+    proc = subprocess.Popen([sys.executable, "-c", RANKS_SCRIPT, str(model_dir)], stdout=subprocess.PIPE, text=True)
+    worker = int(proc.stdout.readline())
+    time.sleep(1.0)  # generating
+    return proc, worker
+
+
+def gone(pid: int, within: float) -> bool:
+    deadline = time.time() + within
+    while time.time() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_dead_rank_ends_the_engine_within_seconds(tiny_llama_dir):
+    proc, worker = start_ranks(tiny_llama_dir)
+    os.kill(worker, signal.SIGKILL)
+    assert proc.wait(timeout=15) != 0
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
+def test_no_rank_outlives_its_engine(tiny_llama_dir, sig):
+    proc, worker = start_ranks(tiny_llama_dir)
+    proc.send_signal(sig)
+    proc.wait(timeout=15)
+    assert gone(worker, within=10)
