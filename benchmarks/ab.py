@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--label-b", default="this tree")
     parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
     parser.add_argument("--throughput-models", nargs="+", default=["Qwen3-0.6B"])
+    parser.add_argument("--name", default="ab", help="results file name (before the date)")
     args = parser.parse_args()
     trees = {"a": Path(args.baseline).resolve(), "b": ROOT}
     runs: dict[tuple[str, str], list[dict]] = {}
@@ -95,7 +96,7 @@ def main() -> None:
             )
     table = markdown_table(rows, ["model", "metric", args.label_a, args.label_b, "b_over_a"])
     write_results(
-        "ab",
+        args.name,
         {
             "environment": environment(),
             "rows": rows,

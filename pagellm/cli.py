@@ -1,4 +1,4 @@
-"""The `pagellm` command: generate | chat | serve | train | convert."""
+"""The `pagellm` command: generate | chat | serve | worker | train | convert."""
 
 from __future__ import annotations
 
@@ -92,10 +92,22 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def cmd_worker(args: argparse.Namespace) -> None:
+    from pagellm.distributed.executor import run_torchrun_worker
+
+    run_torchrun_worker(EngineConfig(**engine_kwargs(args)))
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     import os
 
     import uvicorn
+
+    from pagellm.distributed.executor import launched_by_torchrun
+
+    if launched_by_torchrun() and int(os.environ["RANK"]) > 0:  # `torchrun ... serve`: rank 0 serves, the rest work
+        cmd_worker(args)
+        return
 
     from pagellm.config import EngineConfig
     from pagellm.engine.async_llm import AsyncLLM
@@ -218,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
     _add_engine_args(serve)
     serve.set_defaults(func=cmd_serve)
+
+    worker = sub.add_parser(
+        "worker", help="a tensor-parallel rank other than 0 under torchrun (env://), serving rank 0's engine"
+    )
+    _add_engine_args(worker)
+    worker.set_defaults(func=cmd_worker)
 
     train = sub.add_parser("train", help="train a tokenizer and a small Llama on TinyStories-format text")
     train.add_argument("--data", required=True, help=".txt (<|endoftext|>-separated), .json, .jsonl, .parquet or a dir")

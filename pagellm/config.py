@@ -161,6 +161,9 @@ class EngineConfig:
     tensor_parallel_size: int = _option(
         1, "ranks the model is split over (processes on this host: one GPU each, or gloo on the CPU)", aliases=("-tp",)
     )
+    data_parallel_size: int = _option(
+        1, "engine replicas, each in its own process (with tensor_parallel_size GPUs each)", aliases=("-dp",)
+    )
     quiet: bool = _option(False, "hide progress bars")
 
     def __post_init__(self) -> None:
@@ -186,6 +189,7 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
+        _check(self.data_parallel_size >= 1, "data_parallel_size", self.data_parallel_size, ">= 1")
 
     @property
     def token_budget(self) -> int:

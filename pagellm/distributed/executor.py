@@ -52,12 +52,22 @@ class RankLaunched:
         return self.local.awaits_bitmask
 
 
+def launched_by_torchrun() -> bool:
+    """Started by torchrun (or anything that sets torch.distributed's env:// variables): the ranks exist already."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def local_rank(rank: int) -> int:
+    """This rank's GPU on its host."""
+    return int(os.environ.get("LOCAL_RANK", rank))
+
+
 def init_ranks(rank: int, size: int, init_method: str, device: torch.device) -> tuple[TensorParallel, Any]:
     """Join the process group: NCCL for the model's collectives on CUDA (gloo on the CPU), and a gloo group for
     the step data either way."""
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(local_rank(rank))
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=COLLECTIVE_TIMEOUT)
     control = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return TensorParallel(rank, size, dist.group.WORLD), control
@@ -70,19 +80,26 @@ class TensorParallelExecutor:
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
         device = config.resolve_device()
-        if device.type == "cuda" and size > torch.cuda.device_count():
+        if device.type == "cuda" and size > torch.cuda.device_count() and not launched_by_torchrun():
             raise ValueError(f"tensor_parallel_size={size} exceeds the {torch.cuda.device_count()} visible GPUs")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
-        context = mp.get_context("spawn")
-        self.workers = [
-            context.Process(
-                target=run_worker,
-                args=(rank, size, init_method, model_config, config, model_dir, max_model_len),
-                name=f"pagellm-rank{rank}",
-                daemon=True,
-            )
-            for rank in range(1, size)
-        ]
+        if launched_by_torchrun():  # the other ranks run `pagellm worker` (or the same command), maybe elsewhere
+            if int(os.environ["WORLD_SIZE"]) != size:
+                raise ValueError(
+                    f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}"
+                )
+            init_method, self.workers = "env://", []
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            context = mp.get_context("spawn")
+            self.workers = [
+                context.Process(
+                    target=run_worker,
+                    args=(rank, size, init_method, model_config, config, model_dir, max_model_len),
+                    name=f"pagellm-rank{rank}",
+                    daemon=True,
+                )
+                for rank in range(1, size)
+            ]
         for worker in self.workers:
             worker.start()
         self._closed = False
@@ -173,7 +190,7 @@ def run_worker(
     max_model_len: int,
 ) -> None:
     """Another rank's process: build its runner, then run what rank 0 sends until it says to stop."""
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     tp, control = init_ranks(rank, size, init_method, config.resolve_device())
     runner = ModelRunner(model_config, config, model_dir, max_model_len, tp)
@@ -199,7 +216,20 @@ def run_worker(
     dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
+def run_torchrun_worker(config: EngineConfig) -> None:
+    """A rank other than 0 under torchrun: build this rank's share of the model `config` names and serve rank 0."""
+    from pagellm.config import resolve_max_model_len
+    from pagellm.model.loader import load_config_dict, resolve_model_dir
+
+    model_dir = resolve_model_dir(config.model, quiet=True)
+    model_config = ModelConfig.from_dict(load_config_dict(model_dir))
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if size != config.tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={config.tensor_parallel_size} but torchrun started WORLD_SIZE={size}")
+    run_worker(rank, size, "env://", model_config, config, model_dir, resolve_max_model_len(config, model_config))
+
+
+def die_with_parent() -> None:
     """Linux: this process gets SIGKILL when rank 0's process goes, however it goes (no orphaned ranks)."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)

@@ -20,11 +20,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.data_parallel import DataParallelEngine, combine_stats
 from pagellm.distributed.executor import TensorParallelExecutor
-from pagellm.engine.engine import Engine, EngineStats
+from pagellm.engine.engine import EngineStats, make_engine
 from pagellm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
@@ -51,8 +52,9 @@ RANK_DEATH_GRACE_S = 1.0  # for the error answers to reach the clients
 class LiveStats:
     """What the engine thread publishes after each step (read by /metrics and the demo page)."""
 
-    engine: EngineStats
+    engine: EngineStats  # all replicas together under data parallelism
     recent: tuple[tuple[float, int], ...] = ()  # (time, generation_tokens_total) after the steps of the window
+    replicas: tuple[EngineStats, ...] = ()  # each replica's (one entry without data parallelism)
 
     @property
     def tokens_per_second(self) -> float:
@@ -67,14 +69,16 @@ class LiveStats:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        self.engine = Engine(config or EngineConfig(**kwargs))
+        self.engine = make_engine(config or EngineConfig(**kwargs))
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.stats = LiveStats(self.engine.stats())
+        self.stats = self._live_stats(())
         self.error: BaseException | None = None
-        if isinstance(self.engine.runner, TensorParallelExecutor):
+        if isinstance(self.engine, DataParallelEngine):
+            self.engine.on_replica_death = self._on_rank_death
+        elif isinstance(self.engine.runner, TensorParallelExecutor):
             self.engine.runner.on_rank_death = self._on_rank_death
         self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
         self._thread.start()
@@ -91,6 +95,10 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model_config.vocab_size
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -156,8 +164,9 @@ class AsyncLLM:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
 
     def _on_rank_death(self, reason: str) -> None:
-        """Another tensor-parallel rank died: the engine cannot go on. Every caller gets the error (the server
-        answers 5xx), then the process exits with an error, as a server without its model should."""
+        """Another tensor-parallel rank (or a data-parallel replica) died: the engine cannot go on. Every caller
+        gets the error (the server answers 5xx), then the process exits with an error, as a server without its
+        model should."""
         logger.error("%s: failing every request and exiting", reason)
         self._fail_streams(RuntimeError(reason))
         threading.Timer(RANK_DEATH_GRACE_S, os._exit, args=(1,)).start()
@@ -177,13 +186,19 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self.stats = LiveStats(self.engine.stats(), self.stats.recent)
+        self.stats = self._live_stats(self.stats.recent)
+
+    def _live_stats(self, recent: tuple[tuple[float, int], ...]) -> LiveStats:
+        engine = self.engine
+        replicas = engine.replica_stats() if isinstance(engine, DataParallelEngine) else [engine.stats()]
+        stats = combine_stats(replicas)
+        return LiveStats(stats, recent, tuple(replicas))
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
-        stats = self.engine.stats()
         now = time.time()
         recent = tuple((t, n) for t, n in self.stats.recent if now - t <= RATE_WINDOW_S)
-        self.stats = LiveStats(stats, (*recent, (now, stats.generation_tokens_total)))
+        stats = self._live_stats(recent)
+        self.stats = replace(stats, recent=(*recent, (now, stats.engine.generation_tokens_total)))
         with self._lock:
             targets = [(self._streams.get(out.request_id), out) for out in outputs]
         for stream, out in targets:

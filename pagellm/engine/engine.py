@@ -10,22 +10,25 @@ import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from pagellm.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagellm.config import EngineConfig, ModelConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.step import SchedulerOutput
 from pagellm.distributed.executor import RankLaunched, TensorParallelExecutor
-from pagellm.engine.input_processor import InputProcessor, ProcessedRequest, eos_token_ids
+from pagellm.engine.frontend import load_frontend
+from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.output_processor import OutputProcessor
 from pagellm.engine.scheduler import Scheduler, SchedulerStats
-from pagellm.engine.structured_outputs import GrammarCompiler, StructuredOutputs
+from pagellm.engine.structured_outputs import StructuredOutputs
 from pagellm.errors import InvalidParameter
-from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.outputs import RequestOutput
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
 from pagellm.sampling_params import SamplingParams
-from pagellm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagellm.distributed.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -42,10 +45,10 @@ class EngineStats(SchedulerStats):
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_dir = resolve_model_dir(config.model, quiet=config.quiet)
-        self.model_config = ModelConfig.from_dict(load_config_dict(self.model_dir))
-        self.tokenizer = Tokenizer.from_dir(self.model_dir)
-        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        frontend = load_frontend(config)
+        self.model_dir, self.model_config = frontend.model_dir, frontend.model_config
+        self.tokenizer, self.max_model_len = frontend.tokenizer, frontend.max_model_len
+        self.input_processor = frontend.input_processor
         # Seconds spent in each start-up phase, logged and kept for benchmarks.
         self.startup_seconds: dict[str, float] = {}
         with self._phase("load_model"):
@@ -67,14 +70,6 @@ class Engine:
             KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching),
             config.max_num_seqs,
             config.token_budget,
-        )
-        eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
-        self.input_processor = InputProcessor(
-            self.tokenizer,
-            self.model_config,
-            self.max_model_len,
-            eos_ids,
-            GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos_ids),
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs()
@@ -101,11 +96,16 @@ class Engine:
         return request_id
 
     def enqueue(self, processed: ProcessedRequest) -> None:
-        """Queue a request validated by `input_processor` (possibly on another thread)."""
+        """Queue a request validated by `input_processor` (possibly on another thread, or in another process:
+        then its grammar, which does not pickle, is compiled again here, from the cache after the first time)."""
+        grammar = processed.grammar
+        structured = processed.samples[0].params.structured_outputs
+        if grammar is None and structured is not None:
+            grammar = self.input_processor.grammar_compiler.compile(structured)
         self.output_processor.add_request(processed)
         for sample in processed.samples:
-            if processed.grammar is not None:
-                self.structured_outputs.add(sample.request_id, processed.grammar)
+            if grammar is not None:
+                self.structured_outputs.add(sample.request_id, grammar)
             self.scheduler.add_request(
                 Request(sample.request_id, processed.prompt_token_ids, sample.params, sample.max_tokens)
             )
@@ -167,6 +167,15 @@ class Engine:
         return EngineStats(
             **vars(self.scheduler.stats()), generation_tokens_total=self.output_processor.generation_tokens_total
         )
+
+
+def make_engine(config: EngineConfig) -> Engine | DataParallelEngine:
+    """One engine, or data_parallel_size replicas behind one front end."""
+    if config.data_parallel_size == 1:
+        return Engine(config)
+    from pagellm.distributed.data_parallel import DataParallelEngine  # which imports this module
+
+    return DataParallelEngine(config)
 
 
 def make_runner(

@@ -9,7 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagellm.config import EngineConfig, engine_option_names
-from pagellm.engine.engine import Engine
+from pagellm.engine.engine import make_engine
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -28,7 +28,7 @@ class LLM:
             raise InvalidParameter(
                 unknown[0], f"{unknown[0]}: not an engine option; the options are {', '.join(engine_option_names())}"
             )
-        self.engine = Engine(EngineConfig(model=model, **options))
+        self.engine = make_engine(EngineConfig(model=model, **options))
 
     @property
     def tokenizer(self):

@@ -91,7 +91,7 @@ class ModelRunner:
         self.engine_config = engine_config
         self.device = engine_config.resolve_device()
         if self.device.type == "cuda" and tp.size > 1:
-            self.device = torch.device("cuda", tp.rank)
+            self.device = torch.device("cuda", torch.cuda.current_device())  # the rank's GPU (set when it joined)
         # Decode steps replay CUDA graphs; not yet under tensor parallelism, whose NCCL calls would be captured.
         self.use_cuda_graphs = self.device.type == "cuda" and not engine_config.enforce_eager and tp.size == 1
         self.dtype = engine_config.resolve_dtype(model_config, self.device)

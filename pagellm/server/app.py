@@ -167,7 +167,7 @@ def create_app(
         check_model(body.model)
         if llm.tokenizer is None:
             raise InvalidParameter("model", "this model has no tokenizer")
-        vocab = llm.engine.model_config.vocab_size
+        vocab = llm.vocab_size
         if any(not 0 <= t < vocab for t in body.tokens):
             raise InvalidParameter("tokens", f"tokens: ids must be in [0, {vocab})")
         return {"prompt": await asyncio.to_thread(llm.tokenizer.decode, body.tokens, False)}

@@ -24,13 +24,12 @@ class ServerMetrics:
         self.e2e = self._metric(
             Histogram, "e2e_request_latency_seconds", "End-to-end request latency", buckets=_LATENCY_BUCKETS
         )
-        self.running = self._metric(Gauge, "num_requests_running", "Requests in the running batch")
-        self.waiting = self._metric(Gauge, "num_requests_waiting", "Requests waiting to be scheduled")
-        self.kv_usage = self._metric(Gauge, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use")
-        self.prefix_hit_rate = self._metric(
-            Gauge, "prefix_cache_hit_rate", "Prompt tokens served from the prefix cache"
-        )
-        self.preemptions = self._metric(Gauge, "num_preemptions", "Preemptions since start")
+        # Per engine (a data-parallel replica is one: label engine="0", "1", ...).
+        self.running = self._engine_gauge("num_requests_running", "Requests in the running batch")
+        self.waiting = self._engine_gauge("num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = self._engine_gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use")
+        self.prefix_hit_rate = self._engine_gauge("prefix_cache_hit_rate", "Prompt tokens served from the prefix cache")
+        self.preemptions = self._engine_gauge("num_preemptions", "Preemptions since start")
         self.prompt_tokens = self._metric(Counter, "prompt_tokens", "Prompt tokens of finished requests")
         self.generation_tokens = self._metric(Counter, "generation_tokens", "Generated tokens of finished requests")
         self._requests = Counter(
@@ -45,6 +44,9 @@ class ServerMetrics:
         return kind(f"pagellm:{name}", documentation, ["model_name"], registry=self.registry, **kwargs).labels(
             self._model_name
         )
+
+    def _engine_gauge(self, name: str, documentation: str) -> Gauge:
+        return Gauge(f"pagellm:{name}", documentation, ["model_name", "engine"], registry=self.registry)
 
     def record_finished(self, out: RequestOutput) -> None:
         m = out.metrics
@@ -61,10 +63,11 @@ class ServerMetrics:
             self.tpot.observe((m.last_token_time - m.first_token_time) / (n - 1))
 
     def render(self, stats: LiveStats) -> bytes:
-        e = stats.engine
-        self.running.set(e.num_running)
-        self.waiting.set(e.num_waiting)
-        self.kv_usage.set(e.kv_cache_usage)
-        self.prefix_hit_rate.set(e.prefix_cache_hit_rate)
-        self.preemptions.set(e.num_preemptions)
+        for index, e in enumerate(stats.replicas):
+            labels = (self._model_name, str(index))
+            self.running.labels(*labels).set(e.num_running)
+            self.waiting.labels(*labels).set(e.num_waiting)
+            self.kv_usage.labels(*labels).set(e.kv_cache_usage)
+            self.prefix_hit_rate.labels(*labels).set(e.prefix_cache_hit_rate)
+            self.preemptions.labels(*labels).set(e.num_preemptions)
         return generate_latest(self.registry)

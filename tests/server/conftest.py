@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from dataclasses import dataclass
@@ -39,6 +40,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 120) -> None:
+    """Until url/health answers 200; fails at once if one of the server's processes exits first."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        exited = [p.returncode for p in procs if p.poll() is not None]
+        assert not exited, f"a server process exited with {exited[0]}"
+        time.sleep(0.2)
+    raise AssertionError(f"{url} did not become healthy in {timeout} s")
 
 
 def start_server(llm: AsyncLLM, **app_kwargs) -> tuple[uvicorn.Server, str]:

@@ -1,0 +1,40 @@
+"""Multi-host tensor parallelism as torchrun starts it: two "nodes" of one rank each rendezvous through env:// on
+127.0.0.1; node 0's rank serves HTTP, node 1's rank runs the worker loop; one request is served end to end."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import httpx
+
+from tests.server.conftest import free_port, wait_until_healthy
+
+
+def test_two_torchrun_nodes_serve_a_request(tiny_chat_model_dir):
+    master, port = free_port(), free_port()
+    nodes = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
+            + ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master)]
+            + ["-m", "pagellm.cli", "serve", "--model", str(tiny_chat_model_dir), "--device", "cpu", "--quiet"]
+            + ["-tp", "2", "--port", str(port), "--served-model-name", "tiny"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_healthy(url, nodes)
+        chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+        resp = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            try:
+                node.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                node.kill()

@@ -1,0 +1,41 @@
+"""Data parallelism on the CPU: two engine replicas in their own processes, requests spread over both, every output
+equal to one engine's (greedy, fp32); a replica that dies fails the call instead of hanging it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = [[i, i + 1, i + 2, (7 * i) % 500] for i in range(1, 25)]
+
+
+def test_dp2_spreads_requests_and_equals_one_engine(tiny_llama_dir):
+    one = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True, data_parallel_size=2)
+    try:
+        two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+        assert [o.request_id for o in two] != [] and all(o.finished for o in two)
+        per_replica = [s.generation_tokens_total for s in llm.engine.replica_stats()]
+        assert sum(per_replica) == 24 * 16 and min(per_replica) > 0  # both replicas served
+        assert not llm.engine.has_unfinished()
+    finally:
+        llm.shutdown()
+    assert all(not r.process.is_alive() for r in llm.engine.replicas)
+
+
+def test_a_dead_replica_fails_the_call(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True, data_parallel_size=2)
+    try:
+        os.kill(llm.engine.replicas[1].process.pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="replica 1 died"):
+            llm.generate(PROMPTS, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.shutdown()
