@@ -152,14 +152,14 @@ class TensorParallelExecutor:
         return self.runner.collect(launched.local)
 
     def shutdown(self) -> None:
-        """Stop the other ranks and leave the process group (idempotent; also run at exit)."""
+        """Stop the other ranks and leave the process group (idempotent; also run at exit). The ranks are stopped,
+        not asked to stop: this may run while they wait in a collective that rank 0 left (Ctrl-C mid-step), where a
+        message would never be read. Under torchrun the other ranks see the group close and exit."""
         if self._closed:
             return
         self._closed = True
-        try:
-            self._send("shutdown")
-        except RuntimeError:  # a rank is gone already
-            pass
+        for worker in self.workers:
+            worker.terminate()
         for worker in self.workers:
             worker.join(timeout=10)
             if worker.is_alive():
@@ -189,7 +189,7 @@ def run_worker(
     model_dir: Path,
     max_model_len: int,
 ) -> None:
-    """Another rank's process: build its runner, then run what rank 0 sends until it says to stop."""
+    """Another rank's process: build its runner, then run what rank 0 sends, until rank 0 stops it (or goes)."""
     die_with_parent()
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     tp, control = init_ranks(rank, size, init_method, config.resolve_device())
@@ -199,8 +199,6 @@ def run_worker(
         message: list[Any] = [None]
         dist.broadcast_object_list(message, src=0, group=control)
         method, args = message[0]
-        if method == "shutdown":
-            break
         if method == "launch":
             number, step = args
             launched[number] = runner.launch(step)
@@ -213,7 +211,6 @@ def run_worker(
             smallest_over_ranks(runner.determine_num_blocks(), control)
         else:
             getattr(runner, method)(*args)
-    dist.destroy_process_group()
 
 
 def run_torchrun_worker(config: EngineConfig) -> None:
