@@ -134,3 +134,15 @@ def test_no_rank_outlives_its_engine(tiny_llama_dir, sig):
     proc.send_signal(sig)
     proc.wait(timeout=15)
     assert gone(worker, within=10)
+
+
+def test_tp2_structured_outputs_and_penalties_equal_tp1(tiny_chat_model_dir):
+    """Rank 0 alone samples: grammars, penalties and seeds stay on it, and the other rank gets the tokens."""
+    regex = SamplingParams(temperature=0, max_tokens=12, structured_outputs={"regex": "[a-z]{2,6}( [a-z]{2,6}){1,3}"})
+    penalized = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    params = [regex, penalized, regex]
+    prompts = [[10, 20, 30], [40, 50, 60, 70], [80, 90]]
+    one, _, _ = run(tiny_chat_model_dir, 1, prompts, params)
+    two, _, llm = run(tiny_chat_model_dir, 2, prompts, params)
+    assert two == one
+    llm.shutdown()

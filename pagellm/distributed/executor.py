@@ -3,9 +3,8 @@ each with its ModelRunner over its share of the model.
 
 Rank 0 stands in for its runner (the same methods): each call is first sent to the other ranks over a gloo group
 (the plain step data of `core/step.py` pickles), then run on every rank at once, so the ranks meet at the same
-collectives in the same order. Every rank samples the same tokens from the same gathered logits (the sampler's
-noise is keyed by seeds every rank derives alike), so a look-ahead step finds its input tokens on every device;
-only rank 0's outputs are read.
+collectives in the same order. Only rank 0 samples; it broadcasts the tokens on the device, where a look-ahead
+step's inputs come from, so the other ranks are sent no sampling inputs (the tokens so far that penalties read).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -140,7 +139,7 @@ class TensorParallelExecutor:
 
     def launch(self, step: SchedulerOutput) -> RankLaunched:
         self._launched += 1
-        self._send("launch", self._launched, step)
+        self._send("launch", self._launched, without_sampling_inputs(step))
         return RankLaunched(self._launched, self.runner.launch(step))
 
     def sample_constrained(self, launched: RankLaunched, grammar: GrammarBitmask | None) -> None:
@@ -171,6 +170,18 @@ def _exit_on_rank_death(reason: str) -> None:
     """The ranks cannot go on without one of them: end the process with an error rather than hang."""
     logger.error("%s: stopping", reason)
     os._exit(1)
+
+
+def without_sampling_inputs(step: SchedulerOutput) -> SchedulerOutput:
+    """The step as a rank that does not sample needs it: each sampling row keeps its parameters (whether it waits
+    for a grammar's bitmask) but not its prompt and output token lists, which can be long."""
+    rows = [
+        row
+        if row.sampling is None
+        else replace(row, sampling=replace(row.sampling, prompt_token_ids=[], output_token_ids=[]))
+        for row in step.rows
+    ]
+    return SchedulerOutput(rows)
 
 
 def smallest_over_ranks(value: int, group: Any) -> int:

@@ -4,8 +4,8 @@ each checkpoint tensor the rank holds.
 Column-parallel: q/k/v and gate/up split their output rows (KV heads split when there are at least as many as
 ranks, else each rank holds the one its query heads use); row-parallel: o_proj and down_proj split their input
 columns and all-reduce their outputs; vocab-parallel: the embedding and the LM head split the vocabulary rows (the
-embedding all-reduces its lookups, the LM head all-gathers its logits, so every rank samples from the same full
-rows). Norms are replicated. With one rank everything here is the identity.
+embedding all-reduces its lookups, the LM head all-gathers its logits). Norms are replicated. Rank 0 samples and
+broadcasts the tokens. With one rank everything here is the identity.
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ class TensorParallel:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.size > 1:
             dist.all_reduce(x, group=self.group)
+        return x
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's x, in place, on every rank."""
+        if self.size > 1:
+            dist.broadcast(x, src=0, group=self.group)
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:

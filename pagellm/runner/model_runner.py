@@ -86,7 +86,7 @@ class ModelRunner:
         max_model_len: int,
         tp: TensorParallel | None = None,
     ) -> None:
-        tp = tp or TensorParallel()
+        self.tp = tp = tp or TensorParallel()
         self.config = shard_config(model_config, tp)
         self.engine_config = engine_config
         self.device = engine_config.resolve_device()
@@ -263,9 +263,8 @@ class ModelRunner:
         `sample_constrained`."""
         batch = build_host_batch(step, self.block_size)
         logits = self._forward(batch, self._pending_input_ids(batch), self.kv_caches)
-        prompt_scores = [
-            (rows, _score_prompt(logits[rows.rows], rows.targets, rows.top_n)) for rows in batch.prompt_logprob_rows
-        ]
+        scored = batch.prompt_logprob_rows if self.tp.rank == 0 else []  # only rank 0's outputs are read
+        prompt_scores = [(rows, _score_prompt(logits[rows.rows], rows.targets, rows.top_n)) for rows in scored]
         # Start the copies to the host now: waiting on a plain `.tolist()` later would also wait for whatever was
         # launched after this step (the next step, under asynchronous scheduling).
         launched = LaunchedStep(batch, [(rows, scores_to_host_async(scores)) for rows, scores in prompt_scores])
@@ -289,10 +288,17 @@ class ModelRunner:
         self._sample(launched, logits)
 
     def _sample(self, launched: LaunchedStep, logits: torch.Tensor) -> None:
+        """Rank 0 samples (the only rank under tensor parallelism: the others get the tokens, which their next
+        step's inputs may need, by a broadcast on the device)."""
         batch = launched.batch
-        if batch.sampling_rows:  # prepared once the forward pass is enqueued: the host work overlaps it
+        if batch.sampling_rows and self.tp.rank == 0:  # prepared once the forward is enqueued: the work overlaps
             launched.sampled = self.sampler.sample(logits, self.sampler.prepare(batch.sampling_rows))
             launched.sampled_host = sampled_to_host_async(launched.sampled)
+        elif batch.sampling_rows:
+            token_ids = torch.empty(len(batch.sampling_rows), dtype=torch.int64, device=self.device)
+            launched.sampled = SampledTokens(token_ids, None, [])
+        if batch.sampling_rows and self.tp.size > 1:
+            self.tp.broadcast(launched.sampled.token_ids)
         if self.device.type == "cuda":  # marks the end of this step's copies to the host
             launched.copied = torch.cuda.Event()
             launched.copied.record()
