@@ -161,6 +161,11 @@ class EngineConfig:
     tensor_parallel_size: int = _option(
         1, "ranks the model is split over (processes on this host: one GPU each, or gloo on the CPU)", aliases=("-tp",)
     )
+    distributed_executor_backend: str = _option(
+        "mp",
+        "how tensor-parallel ranks start: mp (one process per rank on this host; torchrun's env:// is seen)",
+        ("mp",),
+    )
     data_parallel_size: int = _option(
         1, "engine replicas, each in its own process (with tensor_parallel_size GPUs each)", aliases=("-dp",)
     )
@@ -189,6 +194,12 @@ class EngineConfig:
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
+        _check(
+            self.distributed_executor_backend == "mp",
+            "distributed_executor_backend",
+            self.distributed_executor_backend,
+            "'mp'",
+        )
         _check(self.data_parallel_size >= 1, "data_parallel_size", self.data_parallel_size, ">= 1")
 
     @property

@@ -27,6 +27,7 @@ FAMILIES = [
     ("Qwen3", {"head_dim": 16}),  # per-head q/k norms
     ("Llama", {"num_key_value_heads": 1}),  # fewer KV heads than ranks: replicated
     ("Mistral", {"vocab_size": 509}),  # the last vocabulary shard is short
+    ("Llama", {"tie_word_embeddings": True, "vocab_size": 511}),  # the LM head is the (sharded, padded) embedding
 ]
 PROMPTS = [[1, 2, 3, 4, 5], [7, 8, 9], list(range(10, 70)), [300, 200, 100, 50]]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -146,3 +147,30 @@ def test_tp2_structured_outputs_and_penalties_equal_tp1(tiny_chat_model_dir):
     two, _, llm = run(tiny_chat_model_dir, 2, prompts, params)
     assert two == one
     llm.shutdown()
+
+
+DEL_SCRIPT = """
+import gc, sys, time
+from pagellm import LLM
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", quiet=True, **{sys.argv[2]: 2})
+engine = llm.engine
+children = engine.runner.workers if sys.argv[2] == "tensor_parallel_size" else [r.process for r in engine.replicas]
+print(" ".join(str(p.pid) for p in children), flush=True)
+del llm, engine, children
+gc.collect()
+time.sleep(60)  # this process lives on: the ranks and replicas it started must not
+"""
+
+
+@pytest.mark.parametrize("option", ["tensor_parallel_size", "data_parallel_size"])
+def test_del_llm_stops_its_processes(tiny_llama_dir, option):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", DEL_SCRIPT, str(tiny_llama_dir), option], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+        assert children and all(gone(pid, within=15) for pid in children)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -153,6 +154,8 @@ class DataParallelEngine:
         check_data_parallel(config)
         self._reports: queue.Queue = queue.Queue()
         self.replicas = [EngineReplica(i, config) for i in range(config.data_parallel_size)]  # loading at once
+        # The replicas stop with `shutdown`, when this object is collected (`del llm`), or at exit.
+        self._stop = weakref.finalize(self, _stop_replicas, self.replicas)
         for replica in self.replicas:
             replica.wait_ready(self._reports)
         self._owner: dict[str, int] = {}  # unfinished request id -> its replica
@@ -213,8 +216,12 @@ class DataParallelEngine:
         return list(self._stats)
 
     def shutdown(self) -> None:
-        for replica in self.replicas:
-            replica.stop()
+        self._stop()
+
+
+def _stop_replicas(replicas: list[EngineReplica]) -> None:
+    for replica in replicas:
+        replica.stop()
 
 
 def combine_stats(stats: list) -> Any:

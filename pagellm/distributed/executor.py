@@ -9,14 +9,13 @@ step's inputs come from, so the other ranks are sent no sampling inputs (the tok
 
 from __future__ import annotations
 
-import atexit
 import ctypes
 import logging
 import os
 import signal
 import socket
 import threading
-import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -101,22 +100,19 @@ class TensorParallelExecutor:
             ]
         for worker in self.workers:
             worker.start()
-        self._closed = False
+        stopped = threading.Event()
+        # The ranks stop with `shutdown`, when this object is collected (`del llm`), or at exit, whichever is first.
+        self._stop = weakref.finalize(self, _stop_ranks, self.workers, stopped)
         # What to do when another rank dies: rank 0 would wait in its next collective for COLLECTIVE_TIMEOUT.
         self.on_rank_death: Callable[[str], None] = _exit_on_rank_death
-        threading.Thread(target=self._watch_ranks, name="pagellm-rank-watch", daemon=True).start()
+        watch = threading.Thread(
+            target=_watch_ranks, args=(weakref.ref(self), self.workers, stopped), name="pagellm-rank-watch"
+        )
+        watch.daemon = True
+        watch.start()
         self.tp, self.control = init_ranks(0, size, init_method, device)
         self.runner = ModelRunner(model_config, config, model_dir, max_model_len, self.tp)
         self._launched = 0
-        atexit.register(self.shutdown)
-
-    def _watch_ranks(self) -> None:
-        while not self._closed:
-            for worker in self.workers:
-                if worker.exitcode is not None and not self._closed:
-                    self.on_rank_death(f"tensor-parallel {worker.name} died (exit code {worker.exitcode})")
-                    return
-            time.sleep(0.2)
 
     @property
     def graphs(self):
@@ -151,19 +147,32 @@ class TensorParallelExecutor:
         return self.runner.collect(launched.local)
 
     def shutdown(self) -> None:
-        """Stop the other ranks and leave the process group (idempotent; also run at exit). The ranks are stopped,
-        not asked to stop: this may run while they wait in a collective that rank 0 left (Ctrl-C mid-step), where a
-        message would never be read. Under torchrun the other ranks see the group close and exit."""
-        if self._closed:
-            return
-        self._closed = True
-        for worker in self.workers:
-            worker.terminate()
-        for worker in self.workers:
-            worker.join(timeout=10)
-            if worker.is_alive():
-                worker.kill()
+        """Stop the other ranks and leave the process group (idempotent)."""
+        self._stop()
+
+
+def _stop_ranks(workers: list, stopped: threading.Event) -> None:
+    """The ranks are stopped, not asked to stop: this may run while they wait in a collective that rank 0 left
+    (Ctrl-C mid-step), where a message would never be read. Under torchrun the other ranks see the group close."""
+    stopped.set()
+    for worker in workers:
+        worker.terminate()
+    for worker in workers:
+        worker.join(timeout=10)
+        if worker.is_alive():
+            worker.kill()
+    if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _watch_ranks(executor: weakref.ref, workers: list, stopped: threading.Event) -> None:
+    while not stopped.wait(0.2):
+        for worker in workers:
+            if worker.exitcode is not None and not stopped.is_set():
+                owner = executor()
+                if owner is not None:
+                    owner.on_rank_death(f"tensor-parallel {worker.name} died (exit code {worker.exitcode})")
+                return
 
 
 def _exit_on_rank_death(reason: str) -> None:
