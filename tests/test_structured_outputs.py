@@ -67,6 +67,12 @@ def test_bad_grammars_queue_nothing(smollm2_llm):
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(InvalidParameter, match="structured_outputs"):
         SamplingParams(structured_outputs={"jsn": {}})
+    # Found by schemathesis: xgrammar's error about this grammar is cut inside a UTF-8 character.
+    odd = SamplingParams(
+        structured_outputs=StructuredOutputsParams(grammar="\u00d9\u009c\u0086+\U00108e16\u00b8\u00e1")
+    )
+    with pytest.raises(InvalidParameter, match="structured_outputs.grammar"):
+        smollm2_llm.generate("x", odd, use_tqdm=False)
 
 
 def test_chat_renders_tools_like_hf(tiny_chat_model_dir, tmp_path):

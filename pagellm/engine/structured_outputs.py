@@ -87,6 +87,8 @@ class GrammarCompiler:
             return compiler.compile_lark(source)
         except RuntimeError as exc:  # xgrammar's parse and conversion errors
             raise InvalidParameter(field, f"{field}: {_xgrammar_message(exc)}") from exc
+        except UnicodeDecodeError as exc:  # an error whose message xgrammar cut inside a multi-byte character
+            raise InvalidParameter(field, f"{field}: xgrammar could not parse it") from exc
 
     def _get_compiler(self) -> xgrammar.GrammarCompiler:
         import xgrammar
