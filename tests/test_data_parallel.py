@@ -39,3 +39,16 @@ def test_a_dead_replica_fails_the_call(tiny_llama_dir):
             llm.generate(PROMPTS, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
     finally:
         llm.shutdown()
+
+
+def test_shared_prefixes_are_routed_to_the_replica_that_has_them(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True, data_parallel_size=2, block_size=16)
+    try:
+        shared = list(range(100, 164))  # four full blocks
+        llm.generate([shared + [1]], GREEDY, use_tqdm=False)  # its blocks are cached on one replica
+        others = [[400 + i, 3, 4] for i in range(4)]
+        llm.generate([shared + [i] for i in range(2, 6)] + others, GREEDY, use_tqdm=False)
+        hits = sorted(s.prefix_cache_hits for s in llm.engine.replica_stats())
+        assert hits == [0, 4 * 64]  # every later shared-prefix request hit, all on the first one's replica
+    finally:
+        llm.shutdown()

@@ -2,7 +2,9 @@
 behind one front end that validates requests, routes each to the replica with the fewest unfinished requests and
 merges what comes back.
 
-`DataParallelEngine` has the Engine's methods, so `LLM` and `AsyncLLM` drive it like one engine. Requests cross to
+`DataParallelEngine` has the Engine's methods, so `LLM` and `AsyncLLM` drive it like one engine. A request whose
+prompt starts like one routed before goes to that one's replica, where its prefix is likely cached, unless that
+replica is busier than the least loaded by more than AFFINITY_SLACK requests. Requests cross to
 a replica as the input processor's plain ProcessedRequest (its compiled grammar, which does not pickle, is
 compiled again there); after each of its steps a replica sends back its outputs and stats.
 """
@@ -15,6 +17,7 @@ import queue
 import threading
 import uuid
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -33,6 +36,40 @@ from pagellm.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 REPORT_WAIT_S = 0.005  # how long `step` waits for a replica's report (new requests wait at most this)
+AFFINITY_SLACK = 4  # unfinished requests a replica may have beyond the least loaded and still get a prefix hit
+PREFIXES_PER_REPLICA = 65536  # block-prefix hashes remembered per replica (least recently routed forgotten)
+
+
+class PrefixAffinity:
+    """Which replica was last sent each prompt prefix (in whole KV blocks): the routing's guess at which replica
+    holds it in its prefix cache."""
+
+    def __init__(self, num_replicas: int, block_size: int) -> None:
+        self.block_size = block_size
+        self._seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(num_replicas)]
+
+    def block_hashes(self, token_ids: list[int]) -> list[int]:
+        hashes, parent = [], None
+        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+            parent = hash((parent, tuple(token_ids[start : start + self.block_size])))
+            hashes.append(parent)
+        return hashes
+
+    def matched_blocks(self, replica: int, hashes: list[int]) -> int:
+        seen, count = self._seen[replica], 0
+        for block_hash in hashes:
+            if block_hash not in seen:
+                break
+            count += 1
+        return count
+
+    def record(self, replica: int, hashes: list[int]) -> None:
+        seen = self._seen[replica]
+        for block_hash in hashes:
+            seen[block_hash] = None
+            seen.move_to_end(block_hash)
+        while len(seen) > PREFIXES_PER_REPLICA:
+            seen.popitem(last=False)
 
 
 @dataclass
@@ -161,6 +198,7 @@ class DataParallelEngine:
         self._owner: dict[str, int] = {}  # unfinished request id -> its replica
         self._load = [0] * len(self.replicas)  # unfinished requests per replica
         self._stats = [replica.stats for replica in self.replicas]
+        self._affinity = PrefixAffinity(len(self.replicas), config.block_size)
         self.on_replica_death: Callable[[str], None] | None = None  # AsyncLLM's; None: step() raises
 
     def add_request(
@@ -173,11 +211,22 @@ class DataParallelEngine:
         return request_id
 
     def enqueue(self, processed: ProcessedRequest) -> None:
-        """Route to the replica with the fewest unfinished requests."""
-        index = min(range(len(self.replicas)), key=self._load.__getitem__)
+        """Route to the replica likely to hold the prompt's prefix, else to the one with the fewest unfinished
+        requests."""
+        index = self._route(processed.prompt_token_ids)
         self._owner[processed.request_id] = index
         self._load[index] += 1
         self.replicas[index].send("add", replace(processed, grammar=None))
+
+    def _route(self, prompt_token_ids: list[int]) -> int:
+        replicas = range(len(self.replicas))
+        least = min(replicas, key=self._load.__getitem__)
+        hashes = self._affinity.block_hashes(prompt_token_ids) if self.config.enable_prefix_caching else []
+        matched = {i: self._affinity.matched_blocks(i, hashes) for i in replicas}
+        best = max(replicas, key=lambda i: (matched[i], -self._load[i]))
+        index = best if matched[best] and self._load[best] <= self._load[least] + AFFINITY_SLACK else least
+        self._affinity.record(index, hashes)
+        return index
 
     def abort(self, request_id: str) -> None:
         index = self._owner.pop(request_id, None)

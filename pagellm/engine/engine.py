@@ -143,11 +143,13 @@ class Engine:
             self._in_flight = self._launch(ahead) if ahead is not None else None
         updates = self.scheduler.update_from_output(current.step, self.runner.collect(current.launched))
         self.structured_outputs.accept(updates)
-        if self._in_flight is not None:
-            self._sample_constrained(self._in_flight)
         outputs, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_outputs.remove(stopped)
+        # Last: while the host did the above, the look-ahead step's forward pass ran; once it is sampled the next
+        # step can launch at once.
+        if self._in_flight is not None:
+            self._sample_constrained(self._in_flight)
         return outputs
 
     def _launch(self, step: SchedulerOutput) -> _InFlight:

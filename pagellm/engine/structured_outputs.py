@@ -164,6 +164,7 @@ class StructuredOutputs:
 
     def __init__(self) -> None:
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+        self._batch: xgrammar.BatchGrammarMatcher | None = None
 
     def __bool__(self) -> bool:
         return bool(self._matchers)
@@ -198,6 +199,7 @@ class StructuredOutputs:
         if not ids:
             return None
         bitmask = xgrammar.allocate_token_bitmask(len(ids), vocab_size)
-        for i, request_id in enumerate(ids):
-            self._matchers[request_id].fill_next_token_bitmask(bitmask, i)
+        if self._batch is None:
+            self._batch = xgrammar.BatchGrammarMatcher()  # fills the rows on several threads
+        self._batch.batch_fill_next_token_bitmask([self._matchers[request_id] for request_id in ids], bitmask)
         return GrammarBitmask(ids, bitmask.numpy())
