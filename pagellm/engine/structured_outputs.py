@@ -164,10 +164,6 @@ class StructuredOutputs:
 
     def __init__(self) -> None:
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
-        self._batch: xgrammar.BatchGrammarMatcher | None = None
-
-    def __bool__(self) -> bool:
-        return bool(self._matchers)
 
     def add(self, request_id: str, grammar: xgrammar.CompiledGrammar) -> None:
         import xgrammar
@@ -199,7 +195,7 @@ class StructuredOutputs:
         if not ids:
             return None
         bitmask = xgrammar.allocate_token_bitmask(len(ids), vocab_size)
-        if self._batch is None:
-            self._batch = xgrammar.BatchGrammarMatcher()  # fills the rows on several threads
-        self._batch.batch_fill_next_token_bitmask([self._matchers[request_id] for request_id in ids], bitmask)
+        # One by one: xgrammar's BatchGrammarMatcher took twice as long at batch 64 on the H200 host.
+        for i, request_id in enumerate(ids):
+            self._matchers[request_id].fill_next_token_bitmask(bitmask, i)
         return GrammarBitmask(ids, bitmask.numpy())
