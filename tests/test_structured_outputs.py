@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagellm import LLM, SamplingParams, StructuredOutputsParams
+from pagellm.engine.structured_outputs import check_json_schema
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput
 from pagellm.server.chat_output import ChatOutputRules
@@ -73,6 +74,15 @@ def test_bad_grammars_queue_nothing(smollm2_llm):
     )
     with pytest.raises(InvalidParameter, match="structured_outputs.grammar"):
         smollm2_llm.generate("x", odd, use_tqdm=False)
+
+
+def test_schema_keyword_check_reads_property_names_as_names():
+    named_like_keywords = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}}
+    check_json_schema(named_like_keywords, "f")  # no error
+    with pytest.raises(InvalidParameter, match=r"#/properties/a/not is not supported"):
+        check_json_schema({"type": "object", "properties": {"a": {"not": {"type": "null"}}}}, "f")
+    with pytest.raises(InvalidParameter, match="not a valid JSON schema"):
+        check_json_schema({"type": "objekt"}, "f")
 
 
 def test_chat_renders_tools_like_hf(tiny_chat_model_dir, tmp_path):

@@ -143,9 +143,15 @@ def _unsupported_keyword(node: Any, path: str) -> str | None:
             return f"{path}/{key}"
         if key in ("enum", "const", "default", "examples"):  # values, not schemas
             continue
-        found = _unsupported_keyword(value, f"{path}/{key}")
-        if found is not None:
-            return found
+        if key in ("properties", "patternProperties", "$defs", "definitions") and isinstance(value, dict):
+            # Names to schemas: a property may be called "not" or "if".
+            children = ((f"{path}/{key}/{name}", sub) for name, sub in value.items())
+        else:
+            children = iter([(f"{path}/{key}", value)])
+        for child_path, child in children:
+            found = _unsupported_keyword(child, child_path)
+            if found is not None:
+                return found
     return None
 
 
