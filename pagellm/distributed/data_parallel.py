@@ -101,7 +101,15 @@ class EngineReplica:
         self.stats: Any = None
 
     def wait_ready(self, reports: queue.Queue) -> None:
-        kind, payload = self.outbox.get()
+        while True:
+            try:
+                kind, payload = self.outbox.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():  # killed before its engine could say what went wrong
+                    raise RuntimeError(
+                        f"data-parallel replica {self.index} died while starting (exit code {self.process.exitcode})"
+                    ) from None
         if kind == "error":
             raise RuntimeError(f"data-parallel replica {self.index} failed to start: {payload}")
         self.stats = payload
