@@ -9,7 +9,6 @@ The host work of a step is the budget it comes out of.
 from __future__ import annotations
 
 import pickle
-import socket
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 from pagellm.core.step import SamplingRow, SchedulerOutput, StepRow  # noqa: E402
-from pagellm.distributed.executor import without_sampling_inputs  # noqa: E402
+from pagellm.distributed.executor import free_port, without_sampling_inputs  # noqa: E402
 from pagellm.sampling_params import SamplingParams  # noqa: E402
 
 ROWS = (1, 16, 64, 256)
@@ -66,9 +65,7 @@ def rank_main(rank: int, init_method: str, results) -> None:
 
 
 def main() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init_method = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    init_method = f"tcp://127.0.0.1:{free_port()}"
     context = mp.get_context("spawn")
     results = context.Queue()
     ranks = [context.Process(target=rank_main, args=(r, init_method, results)) for r in (0, 1)]

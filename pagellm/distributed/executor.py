@@ -87,7 +87,7 @@ class TensorParallelExecutor:
                 )
             init_method, self.workers = "env://", []
         else:
-            init_method = f"tcp://127.0.0.1:{_free_port()}"
+            init_method = f"tcp://127.0.0.1:{free_port()}"
             context = mp.get_context("spawn")
             self.workers = [
                 context.Process(
@@ -254,7 +254,7 @@ def die_with_parent() -> None:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

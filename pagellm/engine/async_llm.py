@@ -20,10 +20,10 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
-from pagellm.distributed.data_parallel import DataParallelEngine, combine_stats
+from pagellm.distributed.data_parallel import DataParallelEngine
 from pagellm.distributed.executor import TensorParallelExecutor
 from pagellm.engine.engine import EngineStats, make_engine
 from pagellm.engine.input_processor import InputProcessor, ProcessedRequest
@@ -74,7 +74,8 @@ class AsyncLLM:
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        self.stats = self._live_stats(())
+        stats, replicas = self._engine_stats()
+        self.stats = LiveStats(stats, (), replicas)
         self.error: BaseException | None = None
         if isinstance(self.engine, DataParallelEngine):
             self.engine.on_replica_death = self._on_rank_death
@@ -186,19 +187,20 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-        self.stats = self._live_stats(self.stats.recent)
+        stats, replicas = self._engine_stats()
+        self.stats = LiveStats(stats, self.stats.recent, replicas)
 
-    def _live_stats(self, recent: tuple[tuple[float, int], ...]) -> LiveStats:
-        engine = self.engine
-        replicas = engine.replica_stats() if isinstance(engine, DataParallelEngine) else [engine.stats()]
-        stats = combine_stats(replicas)
-        return LiveStats(stats, recent, tuple(replicas))
+    def _engine_stats(self) -> tuple[EngineStats, tuple[EngineStats, ...]]:
+        """(all together, each replica's): a data-parallel engine combines its replicas' itself."""
+        stats = self.engine.stats()
+        replicas = self.engine.replica_stats() if isinstance(self.engine, DataParallelEngine) else [stats]
+        return stats, tuple(replicas)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         now = time.time()
+        stats, replicas = self._engine_stats()
         recent = tuple((t, n) for t, n in self.stats.recent if now - t <= RATE_WINDOW_S)
-        stats = self._live_stats(recent)
-        self.stats = replace(stats, recent=(*recent, (now, stats.engine.generation_tokens_total)))
+        self.stats = LiveStats(stats, (*recent, (now, stats.generation_tokens_total)), replicas)
         with self._lock:
             targets = [(self._streams.get(out.request_id), out) for out in outputs]
         for stream, out in targets:

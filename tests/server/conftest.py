@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -13,6 +13,7 @@ import pytest
 import uvicorn
 
 from pagellm.config import EngineConfig
+from pagellm.distributed.executor import free_port
 from pagellm.engine.async_llm import AsyncLLM
 from pagellm.server.app import create_app
 
@@ -36,10 +37,21 @@ class RunningServer:
         raise AssertionError(f"engine not idle: {self.llm.stats.engine}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def spawn_serve(*flags: str) -> tuple[subprocess.Popen, str]:
+    """`pagellm serve` on the CPU in a process of its own, on a free port; its output is a text pipe."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(port), "--device", "cpu", "--quiet", *flags],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def drain_output(proc: subprocess.Popen) -> None:
+    """Keep reading a server's output, so that a full pipe never blocks it."""
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
 
 
 def wait_until_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 120) -> None:
@@ -63,13 +75,8 @@ def start_server(llm: AsyncLLM, **app_kwargs) -> tuple[uvicorn.Server, str]:
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     threading.Thread(target=server.run, daemon=True).start()
     url = f"http://127.0.0.1:{port}"
-    for _ in range(200):
-        try:
-            if httpx.get(f"{url}/health").status_code == 200:
-                return server, url
-        except httpx.TransportError:
-            time.sleep(0.05)
-    raise RuntimeError("server did not start")
+    wait_until_healthy(url, [], timeout=10)
+    return server, url
 
 
 @pytest.fixture(scope="session")

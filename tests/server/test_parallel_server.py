@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -15,21 +14,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import free_port, wait_until_healthy
+from tests.server.conftest import drain_output, spawn_serve, wait_until_healthy
 
 
-def start_serve(model_dir, *flags: str):
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagellm.cli", "serve", "--model", str(model_dir), "--port", str(port)]
-        + ["--device", "cpu", "--quiet", "--served-model-name", "tiny", *flags],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
+def start_serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
+    proc, url = spawn_serve("--model", str(model_dir), "--served-model-name", "tiny", *flags)
     wait_until_healthy(url, [proc])
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    drain_output(proc)
     return proc, url
 
 

@@ -8,7 +8,6 @@ import asyncio
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import free_port
+from tests.server.conftest import drain_output, spawn_serve, wait_until_healthy
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -33,28 +32,15 @@ class ServeProcess:
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[ServeProcess]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pagellm.cli", "serve", "--port", str(port), "--device", "cpu", "--quiet"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    proc, url = spawn_serve()
     try:
         line = ""
         deadline = time.time() + 120
         while "http://" not in line and time.time() < deadline:
             line = proc.stdout.readline()
             assert line or proc.poll() is None, "server exited"
-        url = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        # Keep reading its output so that a full pipe never blocks the server.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        wait_until_healthy(url, [proc])
+        drain_output(proc)
         yield ServeProcess(proc, url, line)
     finally:
         if proc.poll() is None:
