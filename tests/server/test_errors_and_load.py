@@ -93,9 +93,16 @@ def test_more_tokens_than_the_context_is_refused_like_vllm(server):
     prompt = list(range(100, 100 + limit - 10))
     resp = httpx.post(f"{server.url}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 20})
     assert_error(resp, 400, "max_tokens", f"you requested {limit + 10} tokens ({limit - 10} in the prompt, 20 in")
-    # Without max_tokens, a chat reply may use what is left.
-    resp = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "max_tokens": None}, timeout=120)
-    assert resp.status_code == 200
+
+
+def test_chat_without_max_tokens_may_use_the_rest_of_the_context(tiny_server):
+    # The tiny model has 256 positions: without max_tokens (and with EOS ignored) the reply ends at the context's end.
+    model = httpx.get(f"{tiny_server.url}/v1/models").json()["data"][0]["id"]
+    body = {**CHAT, "model": model, "max_tokens": None, "ignore_eos": True}
+    resp = httpx.post(f"{tiny_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["finish_reason"] == "length"
+    assert resp.json()["usage"]["total_tokens"] == tiny_server.llm.max_model_len == 256
 
 
 def test_tokenize_bad_inputs(server):
