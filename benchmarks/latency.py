@@ -3,6 +3,11 @@
 fresh Triton caches), against the weight-bandwidth limit.
 
     python benchmarks/latency.py --models Qwen3-0.6B Llama-3.1-8B
+    python benchmarks/latency.py --models Llama-3.1-8B --quantization none fp8 awq --skip-cold-start
+
+With --quantization each model runs once per method (dummy weights in that format: `none` is the model's bf16),
+and the limit is the bandwidth over the bytes the loaded model holds (quantized linears, their scales, bf16
+embeddings and norms).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from benchmarks.models import model_dir, weight_bytes  # noqa: E402
+from benchmarks.models import model_dir  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 
 COLD_START = """
@@ -70,43 +75,64 @@ def cold_start(path: str, triton_cache_dir: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def held_weight_bytes(llm: LLM) -> int:
+    """Bytes of every parameter the model holds (a tied embedding once): what one batch-1 token streams, taking
+    the embedding's rows as read, as benchmarks/models.weight_bytes does."""
+    return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
+    parser.add_argument("--quantization", nargs="+", default=["none"], help="none, fp8, awq, gptq")
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--skip-cold-start", action="store_true")
     args = parser.parse_args()
     rows = []
     for name in args.models:
         path = model_dir(name)
-        # Fresh Triton caches: every kernel compiles. Then once more on the last one's cache.
-        fresh_dirs = [tempfile.mkdtemp() for _ in range(COLD_START_RUNS)]
-        cold_fresh = [cold_start(path, cache) for cache in fresh_dirs]
-        cold_warm = cold_start(path, fresh_dirs[-1])
-        llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quiet=True)
-        b1, ttft = decode_rate(llm, 1, 128, args.new_tokens)
-        b16, ttft16 = decode_rate(llm, 16, 128, args.new_tokens)
-        limit = args.bandwidth / weight_bytes(name)
-        rows.append(
-            {
-                "model": name,
-                "b1_tok_s": b1,
-                "b1_limit_tok_s": limit,
-                "b1_%_of_limit": 100 * b1 / limit,
-                "b16_tok_s": b16,
-                "ttft_ms_128": ttft,
-                "ttft_ms_b16": ttft16,
+        cold: dict = {}
+        if not args.skip_cold_start:
+            # Fresh Triton caches: every kernel compiles. Then once more on the last one's cache.
+            fresh_dirs = [tempfile.mkdtemp() for _ in range(COLD_START_RUNS)]
+            cold_fresh = [cold_start(path, cache) for cache in fresh_dirs]
+            cold = {
                 "cold_start_s": statistics.median(run["total"] for run in cold_fresh),
                 "cold_start_max_s": max(run["total"] for run in cold_fresh),
-                "cold_start_warm_triton_cache_s": cold_warm["total"],
+                "cold_start_warm_triton_cache_s": cold_start(path, fresh_dirs[-1])["total"],
                 "cold_start_runs": cold_fresh,
             }
-        )
-        del llm
-        gc.collect()
-        torch.cuda.empty_cache()
+        for method in args.quantization:
+            quantization = None if method == "none" else method
+            llm = LLM(
+                path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quantization=quantization, quiet=True
+            )
+            b1, ttft = decode_rate(llm, 1, 128, args.new_tokens)
+            b16, ttft16 = decode_rate(llm, 16, 128, args.new_tokens)
+            held = held_weight_bytes(llm)
+            limit = args.bandwidth / held
+            rows.append(
+                {
+                    "model": name,
+                    "quantization": method,
+                    "weight_gb": held / 1e9,
+                    "b1_tok_s": b1,
+                    "b1_limit_tok_s": limit,
+                    "b1_%_of_limit": 100 * b1 / limit,
+                    "b16_tok_s": b16,
+                    "ttft_ms_128": ttft,
+                    "ttft_ms_b16": ttft16,
+                    **(cold if method == args.quantization[0] else {}),
+                }
+            )
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
     columns = [
         "model",
+        "quantization",
+        "weight_gb",
         "b1_tok_s",
         "b1_limit_tok_s",
         "b1_%_of_limit",
@@ -119,7 +145,7 @@ def main() -> None:
     ]
     table = markdown_table(rows, columns)
     write_results(
-        "latency",
+        "latency" if args.quantization == ["none"] else "latency-" + "-".join(args.quantization),
         {
             "environment": environment(),
             "rows": rows,

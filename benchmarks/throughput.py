@@ -94,13 +94,28 @@ def main() -> None:
     parser.add_argument("--hf-requests", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--kv-cache-dtype", default="auto")
+    parser.add_argument("--quantization", default=None, help="fp8, awq or gptq (dummy weights in that format)")
     args = parser.parse_args()
     prompts, out_lens = workload(args.num_requests)
     rows = []
     for name in args.models:
         path = model_dir(name)
-        row = {"model": name, "requests": args.num_requests, "kv_cache_dtype": args.kv_cache_dtype}
-        row.update(run_pagellm(path, prompts, out_lens, max_model_len=4096, kv_cache_dtype=args.kv_cache_dtype))
+        row = {
+            "model": name,
+            "requests": args.num_requests,
+            "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": args.quantization or "none",
+        }
+        row.update(
+            run_pagellm(
+                path,
+                prompts,
+                out_lens,
+                max_model_len=4096,
+                kv_cache_dtype=args.kv_cache_dtype,
+                quantization=args.quantization,
+            )
+        )
         if args.hf_requests:
             row.update(run_hf(name, prompts[: args.hf_requests], out_lens[: args.hf_requests], args.hf_batch))
             row["speedup_vs_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
@@ -110,6 +125,7 @@ def main() -> None:
         "model",
         "requests",
         "kv_cache_dtype",
+        "quantization",
         "output_tok_s",
         "total_tok_s",
         "elapsed_s",

@@ -1,4 +1,4 @@
-"""The `pagellm` command: generate | chat | serve | worker | train | convert."""
+"""The `pagellm` command: generate | chat | serve | worker | train | convert | quantize."""
 
 from __future__ import annotations
 
@@ -90,6 +90,13 @@ def _json_list(text: str) -> list[str]:
     if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
         raise argparse.ArgumentTypeError('must be a JSON list of strings, like ["*"]')
     return value
+
+
+def cmd_quantize(args: argparse.Namespace) -> None:
+    from pagellm.quantization.quantize import quantize_model
+
+    out = quantize_model(args.model, args.output, args.method, args.bits, args.group_size, args.quiet)
+    print(f"wrote {out}")
 
 
 def cmd_worker(args: argparse.Namespace) -> None:
@@ -260,6 +267,17 @@ def build_parser() -> argparse.ArgumentParser:
     convert.add_argument("--output", required=True)
     convert.add_argument("--quiet", action="store_true")
     convert.set_defaults(func=cmd_convert)
+
+    quantize = sub.add_parser(
+        "quantize", help="full-precision HF model directory -> AWQ, GPTQ or FP8 checkpoint (round to nearest)"
+    )
+    quantize.add_argument("model", help="an HF model directory with full-precision safetensors")
+    quantize.add_argument("output", help="the quantized checkpoint's directory")
+    quantize.add_argument("--method", required=True, choices=["awq", "gptq", "fp8"])
+    quantize.add_argument("--bits", type=int, default=4, help="AWQ: 4; GPTQ: 4 or 8")
+    quantize.add_argument("--group-size", type=int, default=128, help="input columns per scale (AWQ, GPTQ)")
+    quantize.add_argument("--quiet", action="store_true")
+    quantize.set_defaults(func=cmd_quantize)
     return parser
 
 

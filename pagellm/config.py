@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from pagellm.errors import invalid_value
+from pagellm.quantization.config import QUANTIZATION_METHODS
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -158,6 +159,13 @@ class EngineConfig:
     async_scheduling: bool = _option(True, "launch a decode step before the previous one's tokens are back")
     seed: int = _option(0, "seed of unseeded requests' sampling (and of dummy weights)")
     load_format: str = _option("auto", "how to read the weights", LOAD_FORMATS)
+    quantization: str | None = _option(
+        None,
+        "quantized weights (default: the checkpoint's quantization_config; fp8 also quantizes a full-precision "
+        "checkpoint at load)",
+        QUANTIZATION_METHODS,
+        aliases=("-q",),
+    )
     tensor_parallel_size: int = _option(
         1, "ranks the model is split over (processes on this host: one GPU each, or gloo on the CPU)", aliases=("-tp",)
     )
@@ -193,6 +201,12 @@ class EngineConfig:
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks", self.num_kv_blocks, ">= 1")
         _check(0 < self.gpu_memory_utilization <= 1, "gpu_memory_utilization", self.gpu_memory_utilization, "in (0, 1]")
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format, f"one of {LOAD_FORMATS}")
+        _check(
+            self.quantization in (None, *QUANTIZATION_METHODS),
+            "quantization",
+            self.quantization,
+            f"one of {QUANTIZATION_METHODS} or None",
+        )
         _check(self.tensor_parallel_size >= 1, "tensor_parallel_size", self.tensor_parallel_size, ">= 1")
         _check(
             self.distributed_executor_backend == "mp",

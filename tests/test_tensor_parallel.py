@@ -17,7 +17,9 @@ from pagellm import LLM, SamplingParams
 from pagellm.config import ModelConfig
 from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel, checkpoint_slice
 from pagellm.model.loader import load_config_dict
+from pagellm.quantization.quantize import quantize_model
 from tests.conftest import make_tiny_model
+from tests.quant_checkpoints import write_awq, write_fp8, write_gptq_act_order
 
 pytestmark = pytest.mark.slow
 
@@ -46,11 +48,15 @@ def test_tp2_equals_tp1(tmp_path_factory, arch, overrides):
     one, one_outs, llm1 = run(model_dir, 1, PROMPTS, params)
     two, two_outs, llm2 = run(model_dir, 2, PROMPTS, params)
     assert two == one
+    assert_same_prompt_logprobs(one_outs, two_outs)
+    llm2.shutdown()
+
+
+def assert_same_prompt_logprobs(one_outs, two_outs) -> None:
     for a, b in zip(one_outs, two_outs):
         for pos in range(1, len(a.prompt_token_ids)):
             token = a.prompt_token_ids[pos]
             assert abs(a.prompt_logprobs[pos][token].logprob - b.prompt_logprobs[pos][token].logprob) < 1e-4
-    llm2.shutdown()
 
 
 def test_tp2_under_preemption_and_prefix_hits(tmp_path_factory):
@@ -174,3 +180,29 @@ def test_del_llm_stops_its_processes(tiny_llama_dir, option):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("fmt", ["awq", "gptq", "fp8-per-tensor"])
+def test_tp2_equals_tp1_on_quantized_checkpoints(tiny_llama_dir, tmp_path, fmt):
+    """Each rank keeps its rows (q/k/v, gate/up) or input columns (o_proj, down_proj) of the stored integers,
+    group scales and zero points; a per-tensor FP8 scale serves every rank's rows."""
+    path = tmp_path / fmt
+    if fmt == "awq":
+        write_awq(tiny_llama_dir, path, group=16)
+    elif fmt == "gptq":
+        quantize_model(tiny_llama_dir, path, "gptq", group_size=16, quiet=True)
+    else:
+        write_fp8(tiny_llama_dir, path, per_channel=False)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, prompt_logprobs=0)
+    one, one_outs, llm1 = run(path, 1, PROMPTS, params)
+    assert llm1.engine.runner.quantization is not None
+    two, two_outs, llm2 = run(path, 2, PROMPTS, params)
+    assert two == one
+    assert_same_prompt_logprobs(one_outs, two_outs)
+    llm2.shutdown()
+
+
+def test_act_order_is_refused_under_tensor_parallelism(tiny_llama_dir, tmp_path):
+    write_gptq_act_order(tiny_llama_dir, tmp_path / "gptq", bits=4, group=16)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported with GPTQ act-order"):
+        LLM(str(tmp_path / "gptq"), device="cpu", dtype="float32", quiet=True, tensor_parallel_size=2)

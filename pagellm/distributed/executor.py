@@ -29,6 +29,8 @@ import torch.multiprocessing as mp
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.core.step import GrammarBitmask, RunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel
+from pagellm.model.loader import load_config_dict
+from pagellm.quantization.config import check_tensor_parallel_quantization, resolve_quantization
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,9 @@ class TensorParallelExecutor:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
+        quantization = resolve_quantization(config.quantization, load_config_dict(model_dir), config.load_format)
+        if quantization is not None:  # before any rank starts: a rank's error would only show as its exit
+            check_tensor_parallel_quantization(quantization, size)
         device = config.resolve_device()
         if device.type == "cuda" and size > torch.cuda.device_count() and not launched_by_torchrun():
             raise ValueError(f"tensor_parallel_size={size} exceeds the {torch.cuda.device_count()} visible GPUs")

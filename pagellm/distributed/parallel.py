@@ -86,6 +86,11 @@ def kv_head_shard(num_kv_heads: int, tp: TensorParallel) -> tuple[int, int]:
     return tp.rank * num_kv_heads // tp.size, 1
 
 
+# The tensors of a row-parallel layer split along their input columns: its weight, or a quantized weight's stored
+# integers and group scales (kernels/quant_matmul.py); per-row tensors (FP8 scales, biases) are whole on each rank.
+ROW_PARALLEL_TENSORS = ("weight", "qweight", "scales", "offsets")
+
+
 def checkpoint_slice(
     name: str, shape: list[int], config: ModelConfig, tp: TensorParallel
 ) -> tuple[int, int, int] | None:
@@ -105,7 +110,7 @@ def checkpoint_slice(
     if module in ("gate_proj", "up_proj"):
         per_rank = config.intermediate_size // tp.size
         return 0, tp.rank * per_rank, per_rank
-    if module in ("o_proj", "down_proj") and parts[-1] == "weight":
+    if module in ("o_proj", "down_proj") and parts[-1] in ROW_PARALLEL_TENSORS:
         per_rank = shape[1] // tp.size
         return 1, tp.rank * per_rank, per_rank
     if module in ("embed_tokens", "lm_head"):

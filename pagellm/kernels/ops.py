@@ -11,6 +11,9 @@ import torch.nn.functional as F
 
 from pagellm.kernels import reference
 
+GROUPED_FUSED_ROWS = 128  # integer weights: rows up to which dequantizing in the matmul beats dequantize + cuBLAS
+FP8_WEIGHT_ONLY_ROWS = 16  # FP8 weights: rows up to which the weight-only matmul beats FP8 x FP8 tensor cores
+
 
 class Ops(Protocol):
     name: str
@@ -33,6 +36,21 @@ class Ops(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def grouped_linear(
+        self,
+        x: torch.Tensor,
+        qweight: torch.Tensor,
+        scales: torch.Tensor,
+        offsets: torch.Tensor,
+        bits: int,
+        group_size: int,
+        bias: torch.Tensor | None = None,
+    ) -> torch.Tensor: ...
+
+    def fp8_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
 
     def sample_rows(
         self,
@@ -70,6 +88,12 @@ class TorchOps:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
 
+    def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
+        return reference.weight_only_matmul(x, qweight, scales, offsets, bits, group_size, bias)
+
+    def fp8_linear(self, x, weight, weight_scale, bias=None):
+        return reference.weight_only_matmul(x, weight, weight_scale, None, 8, 0, bias)
+
     def sample_rows(self, logits, inv_temperature, greedy, top_p, seeds):
         return reference.sample_rows(logits, inv_temperature, greedy, top_p, seeds)
 
@@ -86,7 +110,7 @@ class TritonOps:
     name = "triton"
 
     def __init__(self) -> None:
-        from pagellm.kernels import activation, bitmask, gemv, rmsnorm, rope, sampling
+        from pagellm.kernels import activation, bitmask, gemv, quant_matmul, rmsnorm, rope, sampling
 
         self._activation, self._bitmask, self._gemv, self._rmsnorm, self._rope, self._sampling = (
             activation,
@@ -96,6 +120,9 @@ class TritonOps:
             rope,
             sampling,
         )
+        self._quant = quant_matmul
+        # FP8 x FP8 tensor-core matmuls with per-row scales (torch._scaled_mm) need sm89 or newer.
+        self._fp8_tensor_cores = torch.cuda.get_device_capability() >= (8, 9)
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._rmsnorm.rms_norm(x, weight, eps, residual)
@@ -115,6 +142,25 @@ class TritonOps:
         if x.dim() == 2 and x.shape[0] == 1 and bias is None and x.dtype in (torch.float16, torch.bfloat16):
             return self._gemv.gemv(x.contiguous(), weight)
         return F.linear(x, weight, bias)
+
+    def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
+        """Up to GROUPED_FUSED_ROWS rows dequantize in the matmul's loop (each 64-row tile re-reads the packed
+        weight, still fewer bytes than bf16 up to 4 tiles); more rows dequantize once and use cuBLAS."""
+        if x.shape[0] <= GROUPED_FUSED_ROWS:
+            return self._quant.weight_only_matmul(x.contiguous(), qweight, scales, offsets, bits, group_size, bias)
+        return F.linear(x, self._quant.dequantize(qweight, scales, offsets, bits, group_size, x.dtype), bias)
+
+    def fp8_linear(self, x, weight, weight_scale, bias=None):
+        """Decode-sized batches read the FP8 weight once in a weight-only matmul; larger ones quantize the
+        activations per token and run FP8 x FP8 on the tensor cores."""
+        n, k = weight.shape
+        # torch._scaled_mm takes per-row scales with bf16 output only, and dimensions in multiples of 16.
+        tensor_cores = self._fp8_tensor_cores and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+        if x.shape[0] <= FP8_WEIGHT_ONLY_ROWS or not tensor_cores:
+            return self._quant.weight_only_matmul(x.contiguous(), weight, weight_scale, None, 8, 0, bias)
+        x_fp8, x_scale = self._quant.fp8_quantize_rows(x.contiguous())
+        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+        return out if bias is None else out + bias
 
     def sample_rows(self, logits, inv_temperature, greedy, top_p, seeds):
         return self._sampling.sample_rows(logits, inv_temperature, greedy, top_p, seeds)

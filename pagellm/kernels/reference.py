@@ -8,7 +8,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pagellm.quantization.packing import unpack_int32
+
 INT8_MAX = 127.0
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 # Top-p draws: each rejection raises the bound, so rounds are few; past this many the top token is taken.
 SAMPLE_MAX_ROUNDS = 32
 
@@ -233,3 +236,38 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: torch
     allowed = ((words >> (tokens % 32)) & 1) != 0
     rows = rows.long()
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
+
+
+def dequantize_grouped(
+    qweight: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int, group_size: int
+) -> torch.Tensor:
+    """The stored integer format (kernels/quant_matmul.py) as fp32 [N, K]: w = q * scale + offset per group."""
+    q = unpack_int32(qweight, bits).float()
+    per_column = {"dim": 1, "repeats": group_size}
+    return q * scales.float().repeat_interleave(**per_column) + offsets.float().repeat_interleave(**per_column)
+
+
+def weight_only_matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Twin of quant_matmul.weight_only_matmul: FP8 weights with per-row scales when `offsets` is None."""
+    if offsets is None:
+        w = weight.float() * scales.float()[:, None]
+    else:
+        w = dequantize_grouped(weight, scales, offsets, bits, group_size)
+    out = x.float() @ w.T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def fp8_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row dynamic FP8 (e4m3): x ~= q * scale, scale = absmax / 448, as the Triton kernel does."""
+    scale = x.float().abs().amax(dim=-1, keepdim=True).clamp_min(1e-12) / FP8_MAX
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale

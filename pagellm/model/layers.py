@@ -19,6 +19,7 @@ from torch import nn
 from pagellm.config import RopeConfig, cdiv
 from pagellm.distributed.parallel import TensorParallel, vocab_shard
 from pagellm.kernels.ops import Ops
+from pagellm.quantization.linear_methods import LinearMethod
 
 
 class CheckpointTensor(Protocol):
@@ -39,14 +40,28 @@ def read_slice(source: CheckpointTensor, part: tuple[int, int, int] | None) -> t
 
 
 class Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, ops: Ops, bias: bool = False) -> None:
+    """y = x W^T + b; with a quantization `method` the method holds W in its stored format and applies it."""
+
+    def __init__(
+        self, in_features: int, out_features: int, ops: Ops, bias: bool = False, method: LinearMethod | None = None
+    ) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.method = method
+        if method is None:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        else:
+            method.create_weights(self, in_features, out_features)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.method is not None:
+            return self.method.apply(self, x, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
+
+    def shard_rows(self, shard: int | None) -> slice:
+        """The output rows that checkpoint shard `shard` of a merged layer fills (all of them for a plain one)."""
+        return slice(None)
 
     def pack_for_cpu(self) -> None:
         """Store the weight in oneDNN's layout (after loading): fp32 matmuls with few rows stream the weight
@@ -68,14 +83,25 @@ def can_pack_for_cpu(device: torch.device, dtype: torch.dtype) -> bool:
 class MergedLinear(Linear):
     """Several output projections stored as one matrix, so one matmul computes them all."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], ops: Ops, bias: bool = False) -> None:
-        super().__init__(in_features, sum(output_sizes), ops, bias)
+    def __init__(
+        self,
+        in_features: int,
+        output_sizes: list[int],
+        ops: Ops,
+        bias: bool = False,
+        method: LinearMethod | None = None,
+    ) -> None:
+        super().__init__(in_features, sum(output_sizes), ops, bias, method)
         self.output_sizes = output_sizes
-        self.offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+        self.row_offsets = [sum(output_sizes[:i]) for i in range(len(output_sizes))]
+
+    def shard_rows(self, shard: int | None) -> slice:
+        if shard is None:
+            return slice(None)
+        return slice(self.row_offsets[shard], self.row_offsets[shard] + self.output_sizes[shard])
 
     def load_shard(self, param_name: str, shard: int, tensor: torch.Tensor) -> None:
-        start, size = self.offsets[shard], self.output_sizes[shard]
-        getattr(self, param_name).data[start : start + size].copy_(tensor)
+        getattr(self, param_name).data[self.shard_rows(shard)].copy_(tensor)
 
 
 class RMSNorm(nn.Module):
@@ -135,10 +161,17 @@ class RotaryEmbedding(nn.Module):
 class MLP(nn.Module):
     """`intermediate_size` is the rank's share under tensor parallelism; down_proj sums the ranks' parts."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, ops: Ops, tp: TensorParallel) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        ops: Ops,
+        tp: TensorParallel,
+        quant_method: LinearMethod | None = None,
+    ) -> None:
         super().__init__()
-        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops)
-        self.down_proj = Linear(intermediate_size, hidden_size, ops)
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], ops, method=quant_method)
+        self.down_proj = Linear(intermediate_size, hidden_size, ops, method=quant_method)
         self.ops = ops
         self.tp = tp
 

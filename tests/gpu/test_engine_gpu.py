@@ -12,26 +12,10 @@ import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.loader import DEFAULT_MODEL_PACKAGE, default_model
-from tests.conftest import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
 GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return make_tiny_model(
-        tmp_path_factory,
-        "Llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=2048,
-    )
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:

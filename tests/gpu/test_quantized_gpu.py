@@ -1,0 +1,69 @@
+"""Quantized checkpoints on the GPU (skipped without CUDA): the Triton weight-only matmuls (decode rows), the
+dequantize + cuBLAS path (long prefills) and FP8 x FP8 tensor cores, against the CPU path's dequantized fp32
+run of the same checkpoint."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm import LLM, SamplingParams
+from tests.quant_checkpoints import fp8_at_load_weights, write_awq, write_fp8, write_gptq_act_order
+
+pytestmark = pytest.mark.gpu
+
+WRITERS = {
+    "awq": lambda src, out: write_awq(src, out, group=64),
+    "gptq-act-order": lambda src, out: write_gptq_act_order(src, out, bits=4, group=64),
+    "fp8-channel": lambda src, out: write_fp8(src, out, per_channel=True),
+}
+
+
+def prompt_logprobs(llm: LLM, ps: list[list[int]]) -> torch.Tensor:
+    """Teacher-forced logprob of every prompt token after the first."""
+    outs = llm.generate(ps, SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return torch.tensor([pos[tok].logprob for o, p in zip(outs, ps) for pos, tok in zip(o.prompt_logprobs[1:], p[1:])])
+
+
+def save_dense(model_dir, state: dict[str, torch.Tensor], out) -> str:
+    """A full-precision checkpoint of the weights a quantized one stands for."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    model.save_pretrained(out)
+    return str(out)
+
+
+# FP8 prefills also quantize the activations (per token, e4m3): more rounding than bf16 alone.
+ERROR_BOUND = {"awq": 1.5, "gptq-act-order": 1.5, "fp8-channel": 8.0, "fp8-at-load": 8.0}
+
+
+@pytest.mark.parametrize("fmt", [*WRITERS, "fp8-at-load"])
+def test_quantized_gpu_matches_cpu(model_dir, tmp_path, fmt):
+    """The GPU's bf16 run of a quantized checkpoint is as close to the CPU's fp32 run of it (the dequantized
+    weights, exactly) as a bf16 run of those weights stored in full precision is."""
+    if fmt == "fp8-at-load":
+        path, quantization = str(model_dir), "fp8"
+        dense = fp8_at_load_weights(model_dir)
+    else:
+        dense = WRITERS[fmt](model_dir, tmp_path / fmt)
+        path, quantization = str(tmp_path / fmt), None
+    dense_dir = save_dense(model_dir, dense, tmp_path / "dense")
+    gen = torch.Generator().manual_seed(0)
+    # 300-token prompts: the prefill paths (dequantize + cuBLAS, FP8 x FP8); 20-token ones: the decode-sized rows.
+    ps = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (300, 20, 20, 7)]
+    exact = prompt_logprobs(LLM(path, quantization=quantization, device="cpu", dtype="float32", quiet=True), ps)
+    gpu = LLM(path, quantization=quantization, device="cuda", dtype="bfloat16", max_num_batched_tokens=16, quiet=True)
+    assert gpu.engine.runner.model.layers[0].mlp.down_proj.method is not None  # still quantized on the GPU
+    quant_err = (prompt_logprobs(gpu, ps) - exact).abs().mean()
+    bf16 = LLM(dense_dir, device="cuda", dtype="bfloat16", max_num_batched_tokens=16, quiet=True)
+    bf16_err = (prompt_logprobs(bf16, ps) - exact).abs().mean()
+    assert quant_err < ERROR_BOUND[fmt] * bf16_err, (quant_err, bf16_err)
+    # Long prefills in one step (more rows than the fused matmuls take).
+    whole = LLM(path, quantization=quantization, device="cuda", dtype="bfloat16", quiet=True)
+    assert (prompt_logprobs(whole, ps[:1]) - exact[: len(ps[0]) - 1]).abs().mean() < ERROR_BOUND[fmt] * bf16_err
+    # Decode steps of 1 and 16 rows under CUDA graphs produce tokens (no fault, no NaN).
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    for batch in (ps[1:2], [ps[1]] * 16):
+        assert all(len(o.outputs[0].token_ids) == 16 for o in whole.generate(batch, params, use_tqdm=False))

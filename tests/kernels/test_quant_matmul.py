@@ -1,0 +1,101 @@
+"""The quantized-weight matmul kernels against plain torch: the stored integers are unpacked here with shifts and
+masks written from the layout's definition (value j of a word at bits [b*j, b*(j+1))), not with the package's
+unpacking; FP8 against torch's own float8 conversion."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagellm.kernels import reference
+from pagellm.kernels.quant_matmul import dequantize, fp8_quantize_rows, weight_only_matmul
+from pagellm.quantization.packing import pack_int32, unpack_int32
+from tests.kernels.test_triton_kernels import DEVICE, DTYPES, rel_err
+
+# fp32 tensor-core dots run in TF32 on a GPU; the interpreter multiplies in fp32.
+TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def grouped_weight(n, k, bits, group, dtype, gen):
+    """Random stored integers with group scales and offsets, and the fp32 weight they stand for."""
+    q = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.int32)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(dtype)
+    offsets = (torch.randn(n, k // group, generator=gen) * 0.05).to(dtype)
+    per_word = 32 // bits
+    words = torch.zeros(n, k // per_word, dtype=torch.int64)
+    for j in range(per_word):
+        words |= q[:, j::per_word].to(torch.int64) << (bits * j)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    dense = q.float() * scales.float().repeat_interleave(group, 1) + offsets.float().repeat_interleave(group, 1)
+    return words, scales, offsets, dense
+
+
+def test_packing_round_trips_and_matches_the_layout():
+    gen = torch.Generator().manual_seed(0)
+    for bits in (4, 8):
+        values = torch.randint(0, 2**bits, (3, 64), generator=gen, dtype=torch.int32)
+        words = pack_int32(values, bits)
+        assert words.dtype == torch.int32 and words.shape == (3, 64 * bits // 32)
+        assert torch.equal(unpack_int32(words, bits), values)
+        low = values[:, 0] | (values[:, 1] << bits)
+        assert torch.equal(words[:, 0] & ((1 << 2 * bits) - 1), low)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 16), (8, 64)])
+def test_weight_only_matmul_grouped_integers(dtype, m, bits, group):
+    gen = torch.Generator().manual_seed(m * 10 + bits + group)
+    n, k = 72, 384  # neither a multiple of the kernel's row tile nor of its column tile
+    words, scales, offsets, dense = grouped_weight(n, k, bits, group, dtype, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    expected = x.float() @ dense.T + bias.float()
+    to = dict(device=DEVICE)
+    out = weight_only_matmul(x.to(**to), words.to(**to), scales.to(**to), offsets.to(**to), bits, group, bias.to(**to))
+    assert out.dtype == dtype and out.shape == (m, n)
+    assert rel_err(out.cpu(), expected) < TOL[dtype]
+    twin = reference.weight_only_matmul(x, words, scales, offsets, bits, group, bias)
+    assert rel_err(twin, expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_weight_only_matmul_fp8(dtype, m):
+    gen = torch.Generator().manual_seed(m)
+    n, k = 40, 200
+    weight = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    expected = x.float() @ (weight.float() * scale[:, None]).T
+    out = weight_only_matmul(x.to(DEVICE), weight.to(DEVICE), scale.to(DEVICE), None, 8, 0)
+    assert rel_err(out.cpu(), expected) < TOL[dtype]
+    assert rel_err(reference.weight_only_matmul(x, weight, scale, None, 8, 0), expected) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 16)])
+def test_dequantize(dtype, bits, group):
+    gen = torch.Generator().manual_seed(bits + group)
+    n, k = 48, 256
+    words, scales, offsets, dense = grouped_weight(n, k, bits, group, dtype, gen)
+    out = dequantize(words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), bits, group, dtype)
+    assert out.dtype == dtype
+    assert rel_err(out.cpu(), dense) < TOL[dtype]
+    assert rel_err(reference.dequantize_grouped(words, scales, offsets, bits, group), dense) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fp8_quantize_rows(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = (torch.randn(6, 300, generator=gen) * torch.logspace(-2, 2, 6)[:, None]).to(dtype)
+    q, scale = fp8_quantize_rows(x.to(DEVICE))
+    expected_scale = x.float().abs().amax(dim=1, keepdim=True) / 448.0
+    torch.testing.assert_close(scale.cpu(), expected_scale, rtol=1e-6, atol=0)
+    assert q.dtype == torch.float8_e4m3fn
+    ref_q, ref_scale = reference.fp8_quantize_rows(x)
+    assert torch.equal(ref_scale, expected_scale)
+    assert torch.equal(ref_q.float(), (x.float() / expected_scale).to(torch.float8_e4m3fn).float())
+    if DEVICE == "cuda":  # the interpreter's fp32 -> e4m3 conversion truncates (124.3 -> 64), the GPU's rounds
+        # Each value is the nearest e4m3 value of x / scale (torch's conversion rounds to nearest even).
+        assert torch.equal(q.cpu().float(), ref_q.float())
