@@ -95,7 +95,9 @@ def _json_list(text: str) -> list[str]:
 def cmd_quantize(args: argparse.Namespace) -> None:
     from pagellm.quantization.quantize import quantize_model
 
-    out = quantize_model(args.model, args.output, args.method, args.bits, args.group_size, args.quiet)
+    out = quantize_model(
+        args.model, args.output, args.method, args.bits, args.group_size, args.calibration, quiet=args.quiet
+    )
     print(f"wrote {out}")
 
 
@@ -276,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--method", required=True, choices=["awq", "gptq", "fp8"])
     quantize.add_argument("--bits", type=int, default=4, help="AWQ: 4; GPTQ: 4 or 8")
     quantize.add_argument("--group-size", type=int, default=128, help="input columns per scale (AWQ, GPTQ)")
+    quantize.add_argument(
+        "--calibration", default=None, help="AWQ: a text file to search activation-aware scales on (else plain RTN)"
+    )
     quantize.add_argument("--quiet", action="store_true")
     quantize.set_defaults(func=cmd_quantize)
     return parser

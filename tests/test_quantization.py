@@ -1,19 +1,26 @@
 """Quantized checkpoints (AWQ, GPTQ with act-order, FP8 per tensor and per channel, FP8 at load) against HF
 transformers running the full-precision weights each one stands for; `pagellm quantize` outputs read back with the
-formats' own definitions; perplexity of SmolLM2 per format; errors that name the field."""
+formats' own definitions; GGUF blocks against the gguf package's dequantization, and the embedded GGUF served as
+stored against its dequantized conversion; perplexity of SmolLM2 per format; errors that name the field."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize, quantize
 from safetensors.torch import load_file
 
 from pagellm import LLM, SamplingParams
 from pagellm.cli import main as cli_main
 from pagellm.config import EngineConfig
+from pagellm.quantization.gguf_blocks import GGUF_FORMATS, decode_blocks, supported_names
 from pagellm.quantization.quantize import quantize_model
 from tests.conftest import make_tiny_model
 from tests.quant_checkpoints import (
@@ -26,6 +33,7 @@ from tests.quant_checkpoints import (
 from tests.test_int8_kv import TEXT
 
 CPU = dict(device="cpu", dtype="float32", quiet=True)
+CALIBRATION = Path(__file__).parent / "data" / "calibration.txt"  # prose written for this, not the perplexity text
 PROMPT_IDS = [[1, 17, 300, 42, 9, 250, 77, 3, 120, 64], [5, 400, 11, 260]]
 
 
@@ -166,3 +174,104 @@ def test_bad_quantization_requests_name_the_field(tiny_llama_dir, tmp_path):
         quantize_model(tiny_llama_dir, tmp_path / "x", "awq", group_size=48)
     with pytest.raises(ValueError, match="group_size=128 is invalid for model.layers.0"):
         quantize_model(tiny_llama_dir, tmp_path / "x", "awq", group_size=128)  # 64 input columns
+
+
+def gguf_blocks(tensor_type, rows: int, k: int, rng) -> np.ndarray:
+    """Valid raw blocks: the gguf package's own quantizer where it has one, else random bytes with sane fp16
+    scales (K-quants)."""
+    try:
+        return quantize(rng.standard_normal((rows, k)).astype(np.float32), tensor_type)
+    except NotImplementedError:
+        block, size = GGML_QUANT_SIZES[tensor_type]
+        blocks = rng.integers(0, 256, (rows * k // block, size), dtype=np.uint8)
+        scale_bytes = {GGMLQuantizationType.Q4_K: slice(0, 4), GGMLQuantizationType.Q6_K: slice(208, 210)}
+        where = scale_bytes[tensor_type]
+        count = (where.stop - where.start) // 2
+        scales = rng.uniform(0.001, 0.05, (len(blocks), count)).astype(np.float16)
+        blocks[:, where] = scales.view(np.uint8)
+        return blocks.reshape(rows, -1)
+
+
+@pytest.mark.parametrize("type_name", supported_names())
+def test_gguf_blocks_are_the_gguf_packages_values(type_name):
+    tensor_type = GGMLQuantizationType[type_name]
+    rows, k = 6, 512
+    data = gguf_blocks(tensor_type, rows, k, np.random.default_rng(0))
+    q, scales, offsets = decode_blocks(tensor_type, data, rows)
+    bits, group = GGUF_FORMATS[tensor_type]
+    assert q.min() >= 0 and q.max() < 2**bits
+    ours = q.float() * scales.repeat_interleave(group, 1) + offsets.repeat_interleave(group, 1)
+    expected = torch.from_numpy(dequantize(data, tensor_type).reshape(rows, k))
+    torch.testing.assert_close(ours, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_smollm2_gguf_served_as_stored_equals_the_dequantized_conversion(smollm2_llm, smollm2_gguf):
+    llm = LLM(str(smollm2_gguf), quantization="gguf", **CPU)
+    quantization = llm.engine.runner.quantization
+    assert (quantization.name, quantization.bits, quantization.group_size) == ("gguf", 4, 32)  # Q4_1
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = ["Once upon a time", "The capital of France is", "def fibonacci(n):"]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in smollm2_llm.generate(prompts, params, use_tqdm=False)
+    ]
+    with pytest.raises(ValueError, match="quantization='gptq' needs a checkpoint quantized"):
+        LLM(str(smollm2_gguf), quantization="gptq", **CPU)
+
+
+def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):
+    with pytest.raises(ValueError, match="quantization='gguf' needs a .gguf model file"):
+        LLM(str(tiny_llama_dir), quantization="gguf", **CPU)
+
+
+def test_awq_scales_fold_exactly_and_protect_large_activations(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from pagellm.quantization.awq import _best_scale, awq_scaled_weights
+    from pagellm.quantization.quantize import rtn_dequantized
+
+    # Every head its own KV head: the o_proj group (fed by v_proj's rows) is scaled too.
+    model_dir = make_tiny_model(tmp_path_factory, "Llama", num_key_value_heads=4)
+    weights = load_file(model_dir / "model.safetensors")
+    ids = list(range(3, 200))
+    # The scales searched for 4-bit rounding, folded into full-precision weights, leave the function unchanged.
+    scaled = awq_scaled_weights(model_dir, weights, ids, lambda w: rtn_dequantized(w, 32))
+    assert not torch.allclose(
+        scaled["model.layers.0.mlp.down_proj.weight"], weights["model.layers.0.mlp.down_proj.weight"]
+    )
+    logits = []
+    for state in (weights, scaled):
+        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+        model.load_state_dict(state, strict=False)
+        with torch.no_grad():
+            logits.append(model(torch.tensor([ids])).logits)
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+    # Input channels with 30x larger activations: scaling them up before rounding cuts the output error.
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=gen)
+    x[:, :4] *= 30
+    w = torch.randn(64, 128, generator=gen)
+    rtn = (x @ rtn_dequantized(w, 32).T - x @ w.T).pow(2).sum()
+    scale = _best_scale(x, [w], lambda v: rtn_dequantized(v, 32))
+    awq = (x @ (rtn_dequantized(w * scale, 32) / scale).T - x @ w.T).pow(2).sum()
+    assert awq < 0.7 * rtn, (awq, rtn)
+    assert scale[:4].min() > scale[4:].max()
+
+
+def test_quantize_command_calibrates_awq(tiny_chat_model_dir, tmp_path):
+    out = tmp_path / "awq"
+    argv = ["quantize", str(tiny_chat_model_dir), str(out), "--method", "awq", "--group-size", "32"]
+    assert cli_main([*argv, "--calibration", str(CALIBRATION)]) == 0
+    assert cli_main([*argv[:2], str(tmp_path / "rtn"), *argv[3:]]) == 0
+    calibrated, plain = load_file(out / "model.safetensors"), load_file(tmp_path / "rtn" / "model.safetensors")
+    norm = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(calibrated[norm], plain[norm])  # the scales were folded into the norms
+    llm = LLM(str(out), **CPU)
+    assert llm.engine.runner.quantization.name == "awq"
+    assert (
+        len(
+            llm.generate("Hello", SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0].outputs[0].token_ids
+        )
+        == 4
+    )
+    with pytest.raises(ValueError, match="calibration is for method='awq' only"):
+        quantize_model(tiny_chat_model_dir, tmp_path / "x", "fp8", calibration=CALIBRATION)

@@ -79,7 +79,7 @@ class TensorParallelExecutor:
     def __init__(self, model_config: ModelConfig, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
         size = config.tensor_parallel_size
         check_tensor_parallel(model_config, size)
-        quantization = resolve_quantization(config.quantization, load_config_dict(model_dir), config.load_format)
+        quantization = resolve_quantization(config, load_config_dict(model_dir))
         if quantization is not None:  # before any rank starts: a rank's error would only show as its exit
             check_tensor_parallel_quantization(quantization, size)
         device = config.resolve_device()

@@ -2,7 +2,8 @@
 
 Weights are dequantized with the `gguf` package and llama.cpp's q/k row permutation is undone, so the result is
 an ordinary HF Llama checkpoint. The tokenizer and chat template come from the GGUF metadata through
-transformers. The conversion is cached on disk keyed by the file's path, size and mtime.
+transformers. The conversion is cached on disk keyed by the file's path, size and mtime. Served quantized
+(quantization='gguf'), the weights are read from the file itself instead (`read_gguf_weights`).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -63,22 +65,54 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False
     out_dir.mkdir(parents=True, exist_ok=True)
     reader = GGUFReader(gguf_path)
     config = _hf_config(reader)
-    permuted = config["model_type"] in ("llama", "mistral")  # llama.cpp permutes q/k only for these
-    tensors = {}
-    for tensor in tqdm(reader.tensors, desc="Dequantizing GGUF", disable=quiet):
-        name = _hf_name(tensor.name)
-        data = dequantize(tensor.data, tensor.tensor_type).reshape(tuple(reversed(tensor.shape.tolist())))
-        weight = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
-        if permuted and name.endswith("q_proj.weight"):
-            weight = _unpermute(weight, config["num_attention_heads"])
-        elif permuted and name.endswith("k_proj.weight"):
-            weight = _unpermute(weight, config["num_key_value_heads"])
-        tensors[name] = weight
+    tensors = dict(read_gguf_tensors(reader, config, quantized_as=None, quiet=quiet))
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     _save_tokenizer(gguf_path, out_dir)
     return out_dir
+
+
+def read_gguf_tensors(
+    reader: GGUFReader, config: dict, quantized_as: tuple[int, int] | None, quiet: bool
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF-named fp32 tensors, dequantized; with `quantized_as` (bits, group size), the decoder's linear weights
+    come instead as their stored integers, group scales and offsets (`qweight`, `scales`, `offsets`: the layout
+    of kernels/quant_matmul.py)."""
+    from pagellm.quantization.config import is_gguf_linear
+    from pagellm.quantization.gguf_blocks import GGUF_FORMATS, decode_blocks
+    from pagellm.quantization.packing import pack_int32
+
+    permuted = config["model_type"] in ("llama", "mistral")  # llama.cpp permutes q/k only for these
+    desc = "Reading GGUF" if quantized_as else "Dequantizing GGUF"
+    for tensor in tqdm(reader.tensors, desc=desc, disable=quiet):
+        name = _hf_name(tensor.name)
+        shape = tuple(reversed(tensor.shape.tolist()))
+        heads = None
+        if permuted and name.endswith("q_proj.weight"):
+            heads = config["num_attention_heads"]
+        elif permuted and name.endswith("k_proj.weight"):
+            heads = config["num_key_value_heads"]
+        if quantized_as is not None and is_gguf_linear(tensor.name):
+            bits, group = quantized_as
+            q, scales, offsets = decode_blocks(tensor.tensor_type, tensor.data, shape[0])
+            repeat = GGUF_FORMATS[tensor.tensor_type][1] // group  # a coarser group as several of the model's
+            parts = {
+                "qweight": pack_int32(q, bits),
+                "scales": scales.repeat_interleave(repeat, dim=1),
+                "offsets": offsets.repeat_interleave(repeat, dim=1),
+            }
+        else:
+            data = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            parts = {"weight": torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))}
+        for part, value in parts.items():
+            yield name.removesuffix("weight") + part, value if heads is None else _unpermute(value, heads)
+
+
+def read_gguf_weights(gguf_path: str | Path, bits: int, group: int, quiet: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """The model's tensors for quantized serving: decoder linears as stored integers, the rest dequantized."""
+    reader = GGUFReader(gguf_path)
+    yield from read_gguf_tensors(reader, _hf_config(reader), (bits, group), quiet)
 
 
 def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -95,11 +95,32 @@ def iter_safetensors(files: list[Path], quiet: bool) -> Iterator[tuple[str, Chec
             bar.update()
 
 
+class InMemoryTensor:
+    """A tensor already read, behind the checkpoint-tensor interface (its shape, then the slice wanted)."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.tensor[index]
+
+
 def load_weights(model: LlamaForCausalLM, model_dir: Path, load_format: str, seed: int, quiet: bool) -> None:
+    quantization = model.quantization
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        loaded = model.load_weights(iter_safetensors(safetensors_files(model_dir), quiet))
+        if quantization is not None and quantization.checkpoint_format == "gguf":
+            from pagellm.model.gguf_convert import read_gguf_weights
+
+            stored = read_gguf_weights(quantization.gguf_file, quantization.bits, quantization.group_size, quiet)
+            weights = ((name, InMemoryTensor(tensor)) for name, tensor in stored)
+        else:
+            weights = iter_safetensors(safetensors_files(model_dir), quiet)
+        loaded = model.load_weights(weights)
         missing = {name for name, _ in model.named_parameters()} - loaded
         if missing:
             raise ValueError(f"model={str(model_dir)!r} is missing weights: {sorted(missing)[:5]}")

@@ -3,49 +3,65 @@
 
 vLLM's names: `fp8` (a pre-quantized FP8 checkpoint, or a full-precision one quantized at load with one scale per
 output channel), `awq` and `gptq` (INT4/INT8 checkpoints with group scales), `compressed-tensors` (llm-compressor's
-FP8 checkpoints, served by the FP8 path).
+FP8 checkpoints, served by the FP8 path), `gguf` (a .gguf file's blocks as stored: the default for .gguf models on
+a GPU; the CPU computes on dequantized weights, as it did before).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pagellm.errors import invalid_value
 
-QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors")
+if TYPE_CHECKING:
+    from pagellm.config import EngineConfig
+
+QUANTIZATION_METHODS = ("fp8", "awq", "gptq", "compressed-tensors", "gguf")
 # Modules the checkpoints leave unquantized that this engine never quantizes either.
 ALWAYS_FULL_PRECISION = ("lm_head",)
+GGUF_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """`method` picks the weight format: 'fp8' (e4m3 weights, one fp32 scale per output row) or 'int' (AWQ/GPTQ:
-    `bits`-wide integers with scales and zero points per `group_size` input columns; -1: one group per row)."""
+    """`method` picks the weight format: 'fp8' (e4m3 weights, one fp32 scale per output row) or 'int' (AWQ, GPTQ,
+    GGUF: `bits`-wide integers with scales and zero points per `group_size` input columns; -1: one group per
+    row)."""
 
     method: str  # "fp8" | "int"
-    checkpoint_format: str  # how the checkpoint stores it: "fp8", "compressed-tensors", "awq", "gptq", "gptq_v2"
+    checkpoint_format: str  # how it is stored: "fp8", "compressed-tensors", "awq", "gptq", "gptq_v2", "gguf"
     prequantized: bool  # False: full-precision weights quantized as they load (fp8 only)
     bits: int = 8
     group_size: int = -1
     symmetric: bool = False
     desc_act: bool = False  # GPTQ's act-order: input columns grouped by a permutation (g_idx)
+    gguf_file: str | None = None  # where a GGUF's blocks are read from
 
     @property
     def name(self) -> str:
         if self.method == "fp8":
             return "fp8"
-        return "awq" if self.checkpoint_format == "awq" else "gptq"
+        return {"awq": "awq", "gguf": "gguf"}.get(self.checkpoint_format, "gptq")
 
 
-def resolve_quantization(
-    requested: str | None, hf_config: dict[str, Any], load_format: str
-) -> QuantizationConfig | None:
-    """The quantization to serve with. The checkpoint decides its own format; `requested` must agree with it,
-    or (fp8 only) ask for a full-precision checkpoint to be quantized at load. With dummy weights any method
-    runs at its defaults (speed work without a checkpoint)."""
+def resolve_quantization(engine: EngineConfig, hf_config: dict[str, Any]) -> QuantizationConfig | None:
+    """The quantization to serve with. The checkpoint decides its own format; `engine.quantization` must agree
+    with it, or (fp8) ask for full-precision weights to be quantized at load. With dummy weights any method runs
+    at its defaults (speed work without a checkpoint)."""
+    requested, load_format = engine.quantization, engine.load_format
     if requested is not None and requested not in QUANTIZATION_METHODS:
         raise invalid_value("quantization", requested, f"one of {QUANTIZATION_METHODS} or None")
+    gguf_file = _gguf_file(engine.model) if load_format != "dummy" else None
+    if gguf_file is not None and requested in (None, "gguf"):
+        if requested is None and engine.resolve_device().type == "cpu":
+            return None  # the CPU computes on dequantized weights anyway: the cached conversion loads faster
+        return gguf_quantization(gguf_file, explicit=requested == "gguf")
+    if requested == "gguf":
+        raise ValueError(f"quantization='gguf' needs a .gguf model file; model={engine.model!r} is not one")
     stored = hf_config.get("quantization_config")
     if stored is not None and load_format != "dummy":
         config = parse_checkpoint_quantization(stored)
@@ -60,7 +76,7 @@ def resolve_quantization(
                 f"quantization_config.quant_method={stored.get('quant_method')!r}; leave quantization unset"
             )
         return config
-    if requested in (None,):
+    if requested is None:
         return None
     if requested in ("fp8", "compressed-tensors"):
         return QuantizationConfig("fp8", "fp8", prequantized=False)
@@ -71,6 +87,39 @@ def resolve_quantization(
         f"this one is full precision. Make one with `pagellm quantize MODEL OUT --method {requested}`, or use "
         "quantization='fp8', which quantizes at load"
     )
+
+
+def _gguf_file(model: str | None) -> str | None:
+    from pagellm.model.loader import default_model
+
+    path = Path(model or default_model()).expanduser()
+    return str(path) if path.suffix == ".gguf" and path.is_file() else None
+
+
+def gguf_quantization(gguf_file: str, explicit: bool) -> QuantizationConfig | None:
+    """The GGUF's decoder linears as stored, in one grouped-integer format wide enough for all of them (the most
+    bits, the smallest group: Q4_K beside Q6_K is held as 8-bit groups of 16). A block type the kernels cannot
+    run falls back to dequantized weights, or is an error when quantization='gguf' was asked for."""
+    from gguf import GGUFReader
+
+    from pagellm.quantization.gguf_blocks import GGUF_FORMATS, supported_names
+
+    types = {t.tensor_type for t in GGUFReader(gguf_file).tensors if is_gguf_linear(t.name)}
+    unsupported = sorted(t.name for t in types if t not in GGUF_FORMATS)
+    if unsupported:
+        message = f"GGUF tensor types {unsupported} cannot run quantized (supported: {supported_names()})"
+        if explicit:
+            raise ValueError(f"quantization='gguf': {message}")
+        logger.warning("%s: loading dequantized weights", message)
+        return None
+    formats = [GGUF_FORMATS[t] for t in types]
+    bits, group = max(b for b, _ in formats), min(g for _, g in formats)
+    return QuantizationConfig("int", "gguf", prequantized=True, bits=bits, group_size=group, gguf_file=gguf_file)
+
+
+def is_gguf_linear(gguf_name: str) -> bool:
+    parts = gguf_name.split(".")
+    return parts[0] == "blk" and parts[2] in GGUF_LINEARS
 
 
 def check_tensor_parallel_quantization(config: QuantizationConfig, tp_size: int) -> None:

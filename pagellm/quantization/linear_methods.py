@@ -134,15 +134,20 @@ class GroupedIntLinearMethod:
                 f"a linear layer with {in_features} inputs does not split into quantization groups of {group}"
             )
         layer.group_size = group
+        layer.compute_dtype = torch.get_default_dtype()
         layer.qweight = _param(torch.empty(out_features, in_features * self.bits // 32, dtype=torch.int32))
-        layer.scales = _param(torch.empty(out_features, in_features // group))
-        layer.offsets = _param(torch.empty(out_features, in_features // group))  # zero points until `finalize`
+        # fp16, the checkpoints' own precision, unless the model computes in fp32 (bf16 would round them).
+        dtype = torch.float32 if torch.get_default_dtype() == torch.float32 else torch.float16
+        layer.scales = _param(torch.empty(out_features, in_features // group, dtype=dtype))
+        layer.offsets = _param(torch.empty(out_features, in_features // group, dtype=dtype))  # zero points, first
         if self.config.desc_act:
             layer.g_idx = _param(torch.full((in_features,), -1, dtype=torch.int32))
         layer.register_buffer("input_perm", None, persistent=False)
 
     def convert(self, component: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
         awq = self.config.checkpoint_format == "awq"
+        if self.config.checkpoint_format == "gguf":  # read in the stored layout already (gguf_blocks.py)
+            return [(component, tensor)]
         if component == "qweight":
             if awq:  # [K, N / 8], packed along N
                 return [("qweight", pack_int32(self._unpack_awq(tensor).T.contiguous(), self.bits))]
@@ -185,14 +190,15 @@ class GroupedIntLinearMethod:
 
     def finalize(self, layer: Linear) -> None:
         scales = layer.scales.data
-        layer.offsets.data = (-layer.offsets.data.float() * scales.float()).to(scales.dtype)
+        if self.config.checkpoint_format != "gguf":  # AWQ/GPTQ load zero points: w = (q - zero) * scale
+            layer.offsets.data = (-layer.offsets.data.float() * scales.float()).to(scales.dtype)
         if self.config.desc_act:
             self._apply_act_order(layer)
         if layer.qweight.device.type == "cpu":
             weight = reference.dequantize_grouped(layer.qweight, scales, layer.offsets, self.bits, layer.group_size)
             if layer.input_perm is not None:
                 weight = torch.empty_like(weight).index_copy_(1, layer.input_perm, weight)
-            _become_full_precision(layer, weight.to(scales.dtype))
+            _become_full_precision(layer, weight.to(layer.compute_dtype))
 
     def _apply_act_order(self, layer: Linear) -> None:
         """Sort the input columns by group: column j of the stored weight is input column perm[j]."""

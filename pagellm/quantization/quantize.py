@@ -1,8 +1,9 @@
 """`pagellm quantize`: a full-precision HF directory -> an AWQ, GPTQ or FP8 checkpoint that this engine (and
 vLLM) load.
 
-Round-to-nearest (RTN) per group of input columns: AWQ with zero points (AutoAWQ's GEMM packing), GPTQ symmetric
-(the v1 format, act-order off), FP8 e4m3 with one scale per output channel as llm-compressor's compressed-tensors
+Round-to-nearest (RTN) per group of input columns: AWQ with zero points (AutoAWQ's GEMM packing; with a calibration
+text, AWQ's activation-aware scales first: awq.py), GPTQ symmetric (the v1 format, act-order off; no Hessian
+error correction), FP8 e4m3 with one scale per output channel as llm-compressor's compressed-tensors
 `float-quantized` format writes it. The decoder's linear weights are quantized; embeddings, norms and the LM head
 are copied as they are, with the config, tokenizer and chat template.
 """
@@ -20,18 +21,28 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagellm.model.loader import iter_safetensors, load_config_dict, safetensors_files
+from pagellm.quantization.awq import awq_scaled_weights
 from pagellm.quantization.linear_methods import quantize_fp8_rows
 from pagellm.quantization.packing import pack_int32
 
 QUANTIZE_METHODS = ("awq", "gptq", "fp8")
+CALIBRATION_TOKENS = 512
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 # The inverse of the AWQ unpacking order: nibble i of a word holds column AWQ_PACK_ORDER[i] of its 8.
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
 def quantize_model(
-    model_dir: str | Path, out_dir: str | Path, method: str, bits: int = 4, group_size: int = 128, quiet: bool = False
+    model_dir: str | Path,
+    out_dir: str | Path,
+    method: str,
+    bits: int = 4,
+    group_size: int = 128,
+    calibration: str | Path | None = None,
+    quiet: bool = False,
 ) -> Path:
+    """With `calibration` (a text file; AWQ only), AWQ's activation-aware scales are searched on its first
+    CALIBRATION_TOKENS tokens and folded in before rounding (the model is held in fp32 on the CPU for it)."""
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {QUANTIZE_METHODS}")
     if method == "awq" and bits != 4:
@@ -49,10 +60,18 @@ def quantize_model(
         "gptq": lambda w: gptq_tensors(w, bits, group_size),
         "fp8": fp8_tensors,
     }[method]
+    if calibration is not None and method != "awq":
+        raise ValueError(f"calibration is for method='awq' only, not method={method!r}")
     out_dir.mkdir(parents=True, exist_ok=True)
+    weights = {
+        name: source[tuple(slice(None) for _ in source.get_shape())]
+        for name, source in iter_safetensors(safetensors_files(model_dir), True)
+    }
+    if calibration is not None:
+        ids = calibration_ids(model_dir, Path(calibration))
+        weights = awq_scaled_weights(model_dir, weights, ids, lambda w: rtn_dequantized(w, group_size))
     tensors: dict[str, torch.Tensor] = {}
-    for name, source in tqdm(iter_safetensors(safetensors_files(model_dir), True), desc="Quantizing", disable=quiet):
-        tensor = source[tuple(slice(None) for _ in source.get_shape())]
+    for name, tensor in tqdm(weights.items(), desc="Quantizing", disable=quiet):
         if _DECODER_LINEAR.match(name):
             if method != "fp8" and tensor.shape[1] % group_size:
                 raise ValueError(
@@ -76,6 +95,22 @@ def quantize_model(
         ):
             shutil.copy2(path, out_dir / path.name)
     return out_dir
+
+
+def calibration_ids(model_dir: Path, text_file: Path) -> list[int]:
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir)(text_file.read_text())["input_ids"][:CALIBRATION_TOKENS]
+    if len(ids) < 64:
+        raise ValueError(f"calibration={str(text_file)!r} holds {len(ids)} tokens: give at least 64")
+    return ids
+
+
+def rtn_dequantized(weight: torch.Tensor, group_size: int) -> torch.Tensor:
+    """AWQ's rounding and back: what the scale search measures."""
+    q, scales, zeros = rtn_asymmetric(weight, 4, group_size)
+    per_column = {"repeats": group_size, "dim": 1}
+    return (q - zeros.repeat_interleave(**per_column)) * scales.float().repeat_interleave(**per_column)
 
 
 def quantization_config(method: str, bits: int, group_size: int) -> dict:

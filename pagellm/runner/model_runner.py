@@ -104,9 +104,7 @@ class ModelRunner:
         max_positions = max(max_model_len, model_config.max_position_embeddings)
         # What this process held on the GPU before this engine: other engines' memory is not ours to count.
         self._gpu_baseline = torch.cuda.memory_allocated(self.device) if self.device.type == "cuda" else 0
-        self.quantization = resolve_quantization(
-            engine_config.quantization, load_config_dict(model_dir), engine_config.load_format
-        )
+        self.quantization = resolve_quantization(engine_config, load_config_dict(model_dir))
         with _default_dtype_and_device(self.dtype, self.device):
             self.model = model_class(model_config)(
                 model_config, self.backend, self.ops, max_positions, tp, self.quantization
