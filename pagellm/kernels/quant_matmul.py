@@ -146,15 +146,17 @@ def weight_only_matmul(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized tile by tile. FP8 weights (`offsets` None) take one
-    fp32 scale per row; integer weights take `bits`-wide values with group scales and offsets."""
+    fp32 scale per row; integer weights take `bits`-wide values with group scales and offsets. `config`
+    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the tiles (benchmarks/quant_kernels.py sweeps)."""
     fp8 = offsets is None
     n = weight.shape[0]
     k = x.shape[1]
     m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps = _matmul_config(m, fp8, group_size)
+    block_m, block_n, block_k, warps, stages = config or (*_matmul_config(m, fp8, group_size), 3)
     grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
     _weight_only_matmul_kernel[grid](
         x,
@@ -178,7 +180,7 @@ def weight_only_matmul(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         num_warps=warps,
-        num_stages=3,
+        num_stages=stages,
     )
     return out
 
