@@ -96,7 +96,14 @@ def cmd_quantize(args: argparse.Namespace) -> None:
     from pagellm.quantization.quantize import quantize_model
 
     out = quantize_model(
-        args.model, args.output, args.method, args.bits, args.group_size, args.calibration, quiet=args.quiet
+        args.model,
+        args.output,
+        args.method,
+        args.bits,
+        args.group_size,
+        args.calibration,
+        symmetric=not args.asymmetric,
+        quiet=args.quiet,
     )
     print(f"wrote {out}")
 
@@ -279,7 +286,13 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--bits", type=int, default=4, help="AWQ: 4; GPTQ: 4 or 8")
     quantize.add_argument("--group-size", type=int, default=128, help="input columns per scale (AWQ, GPTQ)")
     quantize.add_argument(
-        "--calibration", default=None, help="AWQ: a text file to search activation-aware scales on (else plain RTN)"
+        "--calibration",
+        default=None,
+        help="a text file: AWQ searches activation-aware scales on it, GPTQ compensates rounding errors on it "
+        "(else plain round-to-nearest)",
+    )
+    quantize.add_argument(
+        "--asymmetric", action="store_true", help="GPTQ: zero points per group (gptq_v2 format) instead of 2**(bits-1)"
     )
     quantize.add_argument("--quiet", action="store_true")
     quantize.set_defaults(func=cmd_quantize)

@@ -273,5 +273,45 @@ def test_quantize_command_calibrates_awq(tiny_chat_model_dir, tmp_path):
         )
         == 4
     )
-    with pytest.raises(ValueError, match="calibration is for method='awq' only"):
+    with pytest.raises(ValueError, match="calibration is for method='awq' or 'gptq', not method='fp8'"):
         quantize_model(tiny_chat_model_dir, tmp_path / "x", "fp8", calibration=CALIBRATION)
+
+
+def test_gptq_compensates_rounding_errors_on_inputs_like_its_calibration():
+    from pagellm.quantization.gptq import gptq_quantize
+    from pagellm.quantization.quantize import rtn_asymmetric
+
+    gen = torch.Generator().manual_seed(0)
+    mixing = torch.randn(256, 256, generator=gen) * 0.1  # correlated input channels, as a layer's inputs are
+    calibration, held_out = (torch.randn(2048, 256, generator=gen) @ mixing for _ in range(2))
+    w = torch.randn(64, 256, generator=gen)
+
+    def dense(q, scales, zeros):
+        return (q - zeros.repeat_interleave(64, 1)) * scales.float().repeat_interleave(64, 1)
+
+    rtn = dense(*rtn_asymmetric(w, 4, 64))
+    gptq = dense(*gptq_quantize(w, calibration, 4, 64, rtn_asymmetric))
+    for x in (calibration, held_out):
+        assert (x @ (gptq - w).T).pow(2).mean() < 0.6 * (x @ (rtn - w).T).pow(2).mean()
+    assert (gptq - w).pow(2).mean() > (rtn - w).pow(2).mean()  # it trades weight error for output error
+
+
+def test_quantize_command_runs_gptq_asymmetric_in_the_v2_format(tiny_chat_model_dir, tmp_path):
+    out = tmp_path / "gptq"
+    argv = ["quantize", str(tiny_chat_model_dir), str(out), "--method", "gptq", "--group-size", "32"]
+    assert cli_main([*argv, "--calibration", str(CALIBRATION), "--asymmetric"]) == 0
+    qc = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert (qc["checkpoint_format"], qc["sym"]) == ("gptq_v2", False)
+    # Read back with v2's definition (zero points stored as they are) and served like HF on those weights.
+    t, dense = load_file(out / "model.safetensors"), load_file(tiny_chat_model_dir / "model.safetensors")
+    for name in list(dense):
+        prefix = name.removesuffix(".weight")
+        if f"{prefix}.qweight" not in t:
+            continue
+        words, n = t[f"{prefix}.qweight"], t[f"{prefix}.scales"].shape[1]
+        q = torch.stack([(words >> (4 * j)) & 15 for j in range(8)], 1).reshape(-1, n)  # [K, N]
+        zwords = t[f"{prefix}.qzeros"]
+        zeros = torch.stack([(zwords >> (4 * j)) & 15 for j in range(8)], -1).reshape(zwords.shape[0], n)
+        scales = t[f"{prefix}.scales"].float()
+        dense[name] = ((q - zeros.repeat_interleave(32, 0)) * scales.repeat_interleave(32, 0)).T.contiguous()
+    assert_matches_hf(LLM(str(out), **CPU), tiny_chat_model_dir, dense)

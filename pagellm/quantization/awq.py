@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from pagellm.quantization.calibration import calibration_inputs
+
 ALPHAS = [i / 20 for i in range(21)]
 
 
@@ -27,7 +29,7 @@ def awq_scaled_weights(
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's tensors with AWQ's scales folded in (decoder linears scaled, norms and feeding
     projections divided); `quantize_dequantize` is the rounding the search measures."""
-    config, inputs = _calibration_inputs(model_dir, calibration_ids)
+    config, inputs = calibration_inputs(model_dir, calibration_ids)
     out = {name: tensor.float().clone() for name, tensor in weights.items()}
     mha = config.num_attention_heads == config.num_key_value_heads
     for layer in range(config.num_hidden_layers):
@@ -67,24 +69,3 @@ def _best_scale(
         if err < best_err:
             best, best_err = scale, err
     return best
-
-
-def _calibration_inputs(model_dir: Path, ids: list[int]) -> tuple[object, dict[str, torch.Tensor]]:
-    """Each decoder linear's input activations [tokens, in_features] over the calibration tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    inputs: dict[str, torch.Tensor] = {}
-    hooks = []
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and ".layers." in name:
-
-            def record(_module, args, _output, name=name) -> None:
-                inputs[name] = args[0].reshape(-1, args[0].shape[-1]).detach()
-
-            hooks.append(module.register_forward_hook(record))
-    with torch.no_grad():
-        model(torch.tensor([ids]))
-    for hook in hooks:
-        hook.remove()
-    return model.config, inputs

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -22,11 +21,12 @@ from tqdm import tqdm
 
 from pagellm.model.loader import iter_safetensors, load_config_dict, safetensors_files
 from pagellm.quantization.awq import awq_scaled_weights
+from pagellm.quantization.calibration import calibration_ids, calibration_inputs
+from pagellm.quantization.gptq import gptq_quantize
 from pagellm.quantization.linear_methods import quantize_fp8_rows
 from pagellm.quantization.packing import pack_int32
 
 QUANTIZE_METHODS = ("awq", "gptq", "fp8")
-CALIBRATION_TOKENS = 512
 _DECODER_LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|down)_proj)\.weight$")
 # The inverse of the AWQ unpacking order: nibble i of a word holds column AWQ_PACK_ORDER[i] of its 8.
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
@@ -39,10 +39,13 @@ def quantize_model(
     bits: int = 4,
     group_size: int = 128,
     calibration: str | Path | None = None,
+    symmetric: bool = True,
     quiet: bool = False,
 ) -> Path:
-    """With `calibration` (a text file; AWQ only), AWQ's activation-aware scales are searched on its first
-    CALIBRATION_TOKENS tokens and folded in before rounding (the model is held in fp32 on the CPU for it)."""
+    """With `calibration` (a text file), its first CALIBRATION_TOKENS tokens calibrate the rounding: AWQ's
+    activation-aware scales, or GPTQ's error compensation (the model is held in fp32 on the CPU for it).
+    `symmetric` (GPTQ): zero points fixed at 2**(bits-1), as vLLM's Marlin kernels want; asymmetric ones are
+    written in the gptq_v2 format (v1 cannot store a zero point of 0)."""
     if method not in QUANTIZE_METHODS:
         raise ValueError(f"method={method!r} is invalid: must be one of {QUANTIZE_METHODS}")
     if method == "awq" and bits != 4:
@@ -55,21 +58,31 @@ def quantize_model(
     config = load_config_dict(model_dir)
     if config.get("quantization_config"):
         raise ValueError(f"model={str(model_dir)!r} is quantized already; quantize a full-precision checkpoint")
-    quantizer: Callable[[torch.Tensor], dict[str, torch.Tensor]] = {
-        "awq": lambda w: awq_tensors(w, group_size),
-        "gptq": lambda w: gptq_tensors(w, bits, group_size),
-        "fp8": fp8_tensors,
-    }[method]
-    if calibration is not None and method != "awq":
-        raise ValueError(f"calibration is for method='awq' only, not method={method!r}")
+    if calibration is not None and method == "fp8":
+        raise ValueError("calibration is for method='awq' or 'gptq', not method='fp8'")
     out_dir.mkdir(parents=True, exist_ok=True)
     weights = {
         name: source[tuple(slice(None) for _ in source.get_shape())]
         for name, source in iter_safetensors(safetensors_files(model_dir), True)
     }
+    inputs: dict[str, torch.Tensor] = {}  # GPTQ's calibration activations, per linear layer
     if calibration is not None:
         ids = calibration_ids(model_dir, Path(calibration))
-        weights = awq_scaled_weights(model_dir, weights, ids, lambda w: rtn_dequantized(w, group_size))
+        if method == "awq":
+            weights = awq_scaled_weights(model_dir, weights, ids, lambda w: rtn_dequantized(w, group_size))
+        else:
+            _, inputs = calibration_inputs(model_dir, ids)
+    grid = rtn_symmetric if symmetric else rtn_asymmetric
+
+    def quantizer(prefix: str, weight: torch.Tensor) -> dict[str, torch.Tensor]:
+        if method == "awq":
+            return awq_tensors(weight, group_size)
+        if method == "fp8":
+            return fp8_tensors(weight)
+        if prefix in inputs:
+            return gptq_tensors(*gptq_quantize(weight, inputs[prefix], bits, group_size, grid), bits, symmetric)
+        return gptq_tensors(*grid(weight, bits, group_size), bits, symmetric)
+
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in tqdm(weights.items(), desc="Quantizing", disable=quiet):
         if _DECODER_LINEAR.match(name):
@@ -79,11 +92,11 @@ def quantize_model(
                     "must divide every linear layer's input size"
                 )
             prefix = name.removesuffix(".weight")
-            tensors.update({f"{prefix}.{k}": v for k, v in quantizer(tensor).items()})
+            tensors.update({f"{prefix}.{k}": v for k, v in quantizer(prefix, tensor).items()})
         else:
             tensors[name] = tensor.contiguous()
     save_file(tensors, out_dir / "model.safetensors", metadata={"format": "pt"})
-    config["quantization_config"] = quantization_config(method, bits, group_size)
+    config["quantization_config"] = quantization_config(method, bits, group_size, symmetric)
     if method != "fp8":
         config["torch_dtype"] = "float16"  # AWQ/GPTQ checkpoints are fp16 by convention (their scales are)
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
@@ -97,15 +110,6 @@ def quantize_model(
     return out_dir
 
 
-def calibration_ids(model_dir: Path, text_file: Path) -> list[int]:
-    from transformers import AutoTokenizer
-
-    ids = AutoTokenizer.from_pretrained(model_dir)(text_file.read_text())["input_ids"][:CALIBRATION_TOKENS]
-    if len(ids) < 64:
-        raise ValueError(f"calibration={str(text_file)!r} holds {len(ids)} tokens: give at least 64")
-    return ids
-
-
 def rtn_dequantized(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """AWQ's rounding and back: what the scale search measures."""
     q, scales, zeros = rtn_asymmetric(weight, 4, group_size)
@@ -113,7 +117,7 @@ def rtn_dequantized(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     return (q - zeros.repeat_interleave(**per_column)) * scales.float().repeat_interleave(**per_column)
 
 
-def quantization_config(method: str, bits: int, group_size: int) -> dict:
+def quantization_config(method: str, bits: int, group_size: int, symmetric: bool = True) -> dict:
     if method == "awq":
         return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm"}
     if method == "gptq":
@@ -121,9 +125,9 @@ def quantization_config(method: str, bits: int, group_size: int) -> dict:
             "quant_method": "gptq",
             "bits": bits,
             "group_size": group_size,
-            "sym": True,
+            "sym": symmetric,
             "desc_act": False,
-            "checkpoint_format": "gptq",
+            "checkpoint_format": "gptq" if symmetric else "gptq_v2",
         }
     fp8 = {"type": "float", "num_bits": 8, "symmetric": True}
     return {
@@ -178,14 +182,16 @@ def awq_tensors(weight: torch.Tensor, group_size: int) -> dict[str, torch.Tensor
     return {"qweight": pack_awq(q.T), "qzeros": pack_awq(zeros.T), "scales": scales.T.contiguous()}
 
 
-def gptq_tensors(weight: torch.Tensor, bits: int, group_size: int) -> dict[str, torch.Tensor]:
-    """GPTQ v1: qweight [K * bits / 32, N] packed along K, qzeros [K/G, N * bits / 32] holding zero - 1,
-    scales [K/G, N], g_idx [K]."""
-    q, scales, zeros = rtn_symmetric(weight, bits, group_size)
-    k = weight.shape[1]
+def gptq_tensors(
+    q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, bits: int, symmetric: bool
+) -> dict[str, torch.Tensor]:
+    """GPTQ: qweight [K * bits / 32, N] packed along K, qzeros [K/G, N * bits / 32] holding zero - 1 (v1, the
+    symmetric grid's format) or zero (v2), scales [K/G, N], g_idx [K]."""
+    k, group_size = q.shape[1], q.shape[1] // scales.shape[1]
+    stored_zeros = zeros - 1 if symmetric else zeros
     return {
         "qweight": pack_int32(q, bits).T.contiguous(),
-        "qzeros": pack_int32((zeros - 1).T.contiguous(), bits),
+        "qzeros": pack_int32(stored_zeros.T.contiguous(), bits),
         "scales": scales.T.contiguous(),
         "g_idx": torch.arange(k, dtype=torch.int32) // group_size,
     }
