@@ -7,7 +7,7 @@ fresh Triton caches), against the weight-bandwidth limit.
 
 With --quantization each model runs once per method (dummy weights in that format: `none` is the model's bf16),
 and the limit is the bandwidth over the bytes the loaded model holds (quantized linears, their scales, bf16
-embeddings and norms).
+embeddings and norms); kv_cache_tokens shows the KV pool growing by the weight bytes saved.
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def main() -> None:
                     "model": name,
                     "quantization": method,
                     "weight_gb": held / 1e9,
+                    "kv_cache_tokens": llm.engine.stats().num_blocks * llm.engine.config.block_size,
                     "b1_tok_s": b1,
                     "b1_limit_tok_s": limit,
                     "b1_%_of_limit": 100 * b1 / limit,
@@ -133,6 +134,7 @@ def main() -> None:
         "model",
         "quantization",
         "weight_gb",
+        "kv_cache_tokens",
         "b1_tok_s",
         "b1_limit_tok_s",
         "b1_%_of_limit",
