@@ -1,9 +1,9 @@
 """How a quantized linear layer holds, loads and applies its weight.
 
-A method turns the checkpoint's tensors (AWQ's, GPTQ's or FP8's layouts) into the stored layout of
-`kernels/quant_matmul.py` as they load (`convert`, then `load`), finishes the layer once all of its tensors are in
-(`finalize`: zero points folded into offsets, GPTQ's act-order permutation applied, FP8 quantized from full
-precision), and computes through `ops` (`apply`). On the CPU `finalize` dequantizes once into an ordinary weight:
+A method turns the checkpoint's tensors (AWQ's, GPTQ's, GGUF's or FP8's layouts; full-precision weights for FP8
+at load) into the stored layout of `kernels/quant_matmul.py` as they load (`convert`, then `load`), finishes the
+layer once all of its tensors are in (`finalize`: zero points folded into offsets, GPTQ's act-order permutation
+applied), and computes through `ops` (`apply`). On the CPU `finalize` dequantizes once into an ordinary weight:
 no CPU kernel beats oneDNN's fp32 matmul on the dequantized weight there.
 """
 
