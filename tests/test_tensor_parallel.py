@@ -4,6 +4,7 @@ evenly), also under preemption and prefix hits; each rank reads only its share o
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -90,6 +91,77 @@ def test_each_rank_reads_only_its_share(tiny_llama_dir):
     assert replicated < total // 10
     for read in per_rank:
         assert read == (total - replicated) // 2 + replicated
+
+
+RANK_MEMORY_SCRIPT = """
+import json, multiprocessing, os, sys, threading, time
+from pagellm import LLM, SamplingParams
+import pagellm.distributed.executor  # what every rank imports
+
+
+def anon_bytes(pid):
+    try:
+        return next(int(l.split()[1]) * 1024 for l in open(f"/proc/{pid}/status") if l.startswith("RssAnon:"))
+    except (FileNotFoundError, StopIteration):
+        return None
+
+
+base, peaks, loading = anon_bytes(os.getpid()), {}, True
+
+
+def poll():  # every rank's private memory, every 5 ms, while the engine builds
+    while loading:
+        pids = [os.getpid(), *(p.pid for p in multiprocessing.active_children())]
+        for rank, pid in enumerate(pids):
+            value = anon_bytes(pid)
+            if value is not None:
+                peaks[rank] = max(peaks.get(rank, 0), value)
+        time.sleep(0.005)
+
+
+thread = threading.Thread(target=poll, daemon=True)
+thread.start()
+tp = int(sys.argv[2])
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", quiet=True, tensor_parallel_size=tp, num_kv_blocks=8)
+llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
+loading = False
+thread.join()
+print("GROWTH", json.dumps([peak - base for peak in peaks.values()]), flush=True)
+llm.shutdown()
+"""
+
+
+def test_each_rank_holds_half_the_weights_while_loading(tmp_path):
+    """Peak private memory of each process while LLM() loads a 260 MB fp32 checkpoint, over the memory of a
+    process that imported pagellm: one rank holds it all, each of two ranks about half."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=1024,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    weights = (tmp_path / "model.safetensors").stat().st_size
+    growth = {}
+    for tp in (1, 2):
+        out = subprocess.run(
+            [sys.executable, "-c", RANK_MEMORY_SCRIPT, str(tmp_path), str(tp)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        line = next(line for line in out.stdout.splitlines() if line.startswith("GROWTH"))
+        growth[tp] = json.loads(line.removeprefix("GROWTH"))
+    assert len(growth[1]) == 1 and len(growth[2]) == 2
+    assert weights * 0.9 < growth[1][0] < weights * 1.5, (weights, growth)  # measured: 1.13x
+    for rank_growth in growth[2]:
+        assert rank_growth < 0.6 * growth[1][0], (weights, growth)  # measured: 0.49x
 
 
 def test_bad_tensor_parallel_size_names_both_numbers(tiny_llama_dir):

@@ -2,7 +2,7 @@
 
 Two stored formats, both in nn.Linear's [N, K] orientation (rows are output features):
 
-- **grouped integers** (AWQ, GPTQ): `qweight` int32 [N, K * BITS / 32] packs 32 / BITS unsigned values per word,
+- **grouped integers** (AWQ, GPTQ, GGUF): `qweight` int32 [N, K * BITS / 32] packs 32 / BITS unsigned values per word,
   the lowest bits first; `scales` and `offsets` [N, K / GROUP] give w = q * scale + offset per group of GROUP
   input columns (AWQ/GPTQ's (q - zero) * scale with offset = -zero * scale, folded at load).
 - **FP8** (e4m3): `weight` [N, K] with one fp32 scale per output row.
@@ -18,8 +18,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @triton.jit
@@ -121,7 +119,7 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0
+    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0  # 448: the largest finite e4m3 value
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
@@ -132,7 +130,8 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
 
 def _matmul_config(m: int, fp8: bool, group: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). One row reduces with multiply-adds over wide tiles, as the bf16
-    GEMV does; more rows use tensor-core dots on 16..64-row tiles."""
+    GEMV does; more rows use tensor-core dots on 16..64-row tiles. Not tuned yet: on the H200 these gave INT4
+    batch-1 Llama-3.1-8B 20% of its bandwidth limit (benchmarks/quant_kernels.py sweeps the alternatives)."""
     if m == 1:
         return 1, 8, 512 if fp8 else 256, 4
     return min(64, max(16, triton.next_power_of_2(m))), 64, 64 if fp8 else min(128, max(32, group)), 4

@@ -112,10 +112,9 @@ class Fp8LinearMethod:
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per output row: w ~= q * scale with scale = absmax / 448 (fp32)."""
-    w = weight.float()
-    scale = w.abs().amax(dim=1).clamp_min(1e-12) / reference.FP8_MAX
-    return (w / scale[:, None]).clamp(-reference.FP8_MAX, reference.FP8_MAX).to(torch.float8_e4m3fn), scale
+    """Per output row: w ~= q * scale with scale = absmax / 448 (fp32 [N])."""
+    q, scale = reference.fp8_quantize_rows(weight)
+    return q, scale[:, 0]
 
 
 class GroupedIntLinearMethod:
