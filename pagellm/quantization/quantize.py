@@ -65,6 +65,12 @@ def quantize_model(
         name: source[tuple(slice(None) for _ in source.get_shape())]
         for name, source in iter_safetensors(safetensors_files(model_dir), True)
     }
+    for name, tensor in weights.items():  # before any calibration work
+        if method != "fp8" and _DECODER_LINEAR.match(name) and tensor.shape[1] % group_size:
+            raise ValueError(
+                f"group_size={group_size} is invalid for {name} with {tensor.shape[1]} input columns: "
+                "must divide every linear layer's input size"
+            )
     inputs: dict[str, torch.Tensor] = {}  # GPTQ's calibration activations, per linear layer
     if calibration is not None:
         ids = calibration_ids(model_dir, Path(calibration))
@@ -86,11 +92,6 @@ def quantize_model(
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in tqdm(weights.items(), desc="Quantizing", disable=quiet):
         if _DECODER_LINEAR.match(name):
-            if method != "fp8" and tensor.shape[1] % group_size:
-                raise ValueError(
-                    f"group_size={group_size} is invalid for {name} with {tensor.shape[1]} input columns: "
-                    "must divide every linear layer's input size"
-                )
             prefix = name.removesuffix(".weight")
             tensors.update({f"{prefix}.{k}": v for k, v in quantizer(prefix, tensor).items()})
         else:
