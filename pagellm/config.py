@@ -161,8 +161,8 @@ class EngineConfig:
     load_format: str = _option("auto", "how to read the weights", LOAD_FORMATS)
     quantization: str | None = _option(
         None,
-        "quantized weights (default: the checkpoint's quantization_config; fp8 also quantizes a full-precision "
-        "checkpoint at load)",
+        "quantized weights (default: the checkpoint's quantization_config, and a .gguf's blocks as stored on a "
+        "GPU; fp8 also quantizes a full-precision checkpoint at load)",
         QUANTIZATION_METHODS,
         aliases=("-q",),
     )
