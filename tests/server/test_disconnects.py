@@ -67,18 +67,24 @@ def test_health_answers_fast_while_a_max_size_prompt_is_tokenized(async_llm):
             result.update(status=resp.status_code, error=resp.json()["error"], seconds=time.time() - started)
 
         worker = threading.Thread(target=post)
-        worst = 0.0
+        latencies = []
         with httpx.Client() as client:
             client.get(f"{url}/health")  # the connection is open before the big request starts
             worker.start()
             while worker.is_alive():
                 started = time.time()
                 assert client.get(f"{url}/health").status_code == 200
-                worst = max(worst, time.time() - started)
+                latencies.append(time.time() - started)
                 time.sleep(0.01)
         worker.join()
         assert result["status"] == 400 and "too long" in result["error"]["message"]  # it was tokenized in full
         assert result["seconds"] > 0.5  # so the measurement covered real tokenizing time
-        assert worst < 0.1, f"/health took {worst * 1000:.0f} ms while the prompt was tokenized"
+        # A loop blocked by the tokenizer would answer once, after it: here it answers all along. (An absolute
+        # bound is the 2-core CI machine's scheduling more than ours: 33 ms alone, 245 ms once under load.)
+        worst = max(latencies)
+        assert len(latencies) >= 5 and worst < result["seconds"] / 3, (
+            f"/health took up to {worst * 1000:.0f} ms during {result['seconds']:.2f} s of tokenizing"
+        )
+        assert sorted(latencies)[len(latencies) // 2] < 0.05
     finally:
         srv.should_exit = True
