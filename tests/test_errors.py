@@ -42,6 +42,12 @@ def test_bad_prompts_rejected_engine_keeps_serving(tiny_llama_dir):
         llm.generate("text needs a tokenizer", use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate([[1], [2]], [SamplingParams()], use_tqdm=False)
+    with pytest.raises(
+        ValueError, match=r"prompts: a prompt dict takes exactly one of \['prompt', 'prompt_token_ids'\]"
+    ):
+        llm.generate({"prompt_token_ids": [1], "multi_modal_data": {}}, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts: prompt_token_ids must be a list"):
+        llm.generate([{"prompt_token_ids": "1 2"}], use_tqdm=False)
     # One bad prompt in a batch queues nothing.
     with pytest.raises(ValueError):
         llm.generate([[1, 2], []], use_tqdm=False)
@@ -49,6 +55,17 @@ def test_bad_prompts_rejected_engine_keeps_serving(tiny_llama_dir):
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)[0]
     assert len(out.outputs[0].token_ids) == 5
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
+def test_vllm_prompt_dicts_equal_their_plain_forms(smollm2_llm):
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ids = smollm2_llm.tokenizer.encode("Once upon a time")
+    plain = smollm2_llm.generate(["Once upon a time", ids], greedy, use_tqdm=False)
+    dicts = smollm2_llm.generate([{"prompt": "Once upon a time"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    single = smollm2_llm.generate({"prompt_token_ids": ids}, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in dicts] == [o.outputs[0].token_ids for o in plain]
+    assert single[0].outputs[0].token_ids == plain[1].outputs[0].token_ids
+    assert dicts[1].prompt_token_ids == ids
 
 
 def test_output_stops_at_max_model_len(tiny_llama_dir):

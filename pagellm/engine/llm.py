@@ -14,7 +14,9 @@ from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+# vLLM's forms: text, token ids, or their dicts (TextPrompt {"prompt": ...}, TokensPrompt {"prompt_token_ids": ...}).
+Prompt = str | list[int] | dict[str, Any]
+PROMPT_KEYS = {"prompt": str, "prompt_token_ids": list}
 Messages = list[dict[str, Any]]
 
 
@@ -80,7 +82,7 @@ class LLM:
         """Stop the other tensor-parallel ranks' processes now (they stop with this process otherwise)."""
         self.engine.shutdown()
 
-    def _run(self, work: list[tuple[Prompt, SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, work: list[tuple[str | list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
         # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).
         final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for _, p in work}
         ids: list[str] = []
@@ -108,18 +110,34 @@ class LLM:
         return results
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
     if not prompts:
         raise InvalidParameter("prompts", "prompts: must not be empty")
+    prompts = [_unwrap_prompt_dict(p) if isinstance(p, dict) else p for p in prompts]
     for p in prompts:
         if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
-            raise InvalidParameter("prompts", "prompts: each prompt must be a string or a list of token ids")
+            raise InvalidParameter(
+                "prompts", "prompts: each prompt must be a string, a list of token ids, or a dict of one of them"
+            )
     return prompts
+
+
+def _unwrap_prompt_dict(prompt: dict[str, Any]) -> str | list[int]:
+    """{"prompt": text} or {"prompt_token_ids": ids}: exactly one of the two keys, nothing else."""
+    keys = sorted(prompt)
+    if len(keys) != 1 or keys[0] not in PROMPT_KEYS:
+        raise InvalidParameter(
+            "prompts", f"prompts: a prompt dict takes exactly one of {sorted(PROMPT_KEYS)}; got keys {keys}"
+        )
+    value = prompt[keys[0]]
+    if not isinstance(value, PROMPT_KEYS[keys[0]]):
+        raise InvalidParameter("prompts", f"prompts: {keys[0]} must be a {PROMPT_KEYS[keys[0]].__name__}")
+    return value
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
