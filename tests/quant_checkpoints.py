@@ -23,6 +23,16 @@ LINEAR = re.compile(r"model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(gate|up|
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 
 
+def hf_model_with(model_dir: Path, state: dict[str, torch.Tensor]):
+    """HF transformers' model of `model_dir` holding `state` in fp32: the oracle run on the weights a quantized
+    checkpoint stands for."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
+    return model
+
+
 def pack_lsb_first(values: torch.Tensor, bits: int) -> torch.Tensor:
     """[R, C] unsigned values -> int32 [R, C * bits / 32], value j of each word at bits [bits*j, bits*(j+1))."""
     per_word = 32 // bits

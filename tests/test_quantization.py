@@ -26,6 +26,7 @@ from tests.conftest import make_tiny_model
 from tests.quant_checkpoints import (
     AWQ_ORDER,
     fp8_at_load_weights,
+    hf_model_with,
     write_awq,
     write_fp8,
     write_gptq_act_order,
@@ -38,12 +39,8 @@ PROMPT_IDS = [[1, 17, 300, 42, 9, 250, 77, 3, 120, 64], [5, 400, 11, 260]]
 
 
 def hf_logprobs(model_dir, state: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
     with torch.no_grad():
-        return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        return torch.log_softmax(hf_model_with(model_dir, state)(torch.tensor([ids])).logits[0].float(), dim=-1)
 
 
 def assert_matches_hf(llm: LLM, model_dir, state: dict[str, torch.Tensor]) -> None:
@@ -229,7 +226,6 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):
 
 
 def test_awq_scales_fold_exactly_and_protect_large_activations(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
 
     from pagellm.quantization.awq import _best_scale, awq_scaled_weights
     from pagellm.quantization.quantize import rtn_dequantized
@@ -245,10 +241,8 @@ def test_awq_scales_fold_exactly_and_protect_large_activations(tmp_path_factory)
     )
     logits = []
     for state in (weights, scaled):
-        model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-        model.load_state_dict(state, strict=False)
         with torch.no_grad():
-            logits.append(model(torch.tensor([ids])).logits)
+            logits.append(hf_model_with(model_dir, state)(torch.tensor([ids])).logits)
     torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
     # Input channels with 30x larger activations: scaling them up before rounding cuts the output error.
     gen = torch.Generator().manual_seed(0)

@@ -21,6 +21,8 @@ from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+from pagellm.quantization.config import is_gguf_linear
+
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
@@ -43,9 +45,16 @@ _ARCHITECTURES = {
 }
 
 
+# The block types of the decoder's linear weights, kept beside the cached conversion: quantization='gguf' reads
+# them there instead of parsing the file's metadata again (2 s for SmolLM2's, most of it the tokenizer's strings).
+LINEAR_TYPES_FILE = "gguf_linear_types.json"
+CACHE_FORMAT = 2  # part of the cache key: a conversion cached before LINEAR_TYPES_FILE existed is made again
+
+
 def cache_dir_for(gguf_path: Path) -> Path:
     stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    source = f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{CACHE_FORMAT}"
+    key = hashlib.sha1(source.encode()).hexdigest()[:16]
     root = Path(os.environ.get("PAGELLM_CACHE", Path.home() / ".cache" / "pagellm"))
     return root / "gguf" / f"{gguf_path.stem}-{key}"
 
@@ -55,15 +64,25 @@ def convert_gguf_cached(gguf_path: str | Path, quiet: bool = False) -> Path:
     gguf_path = Path(gguf_path)
     out = cache_dir_for(gguf_path)
     if not (out / ".complete").exists():
-        convert_gguf(gguf_path, out, quiet=quiet)
+        reader = GGUFReader(gguf_path)
+        _write_hf_dir(reader, gguf_path, out, quiet)
+        linear_types = sorted({t.tensor_type.name for t in reader.tensors if is_gguf_linear(t.name)})
+        (out / LINEAR_TYPES_FILE).write_text(json.dumps(linear_types))
         (out / ".complete").touch()
     return out
 
 
+def gguf_linear_types(gguf_path: str | Path) -> list[str]:
+    """The block type names of a GGUF's decoder linear weights (from its cached conversion)."""
+    return json.loads((convert_gguf_cached(gguf_path, quiet=True) / LINEAR_TYPES_FILE).read_text())
+
+
 def convert_gguf(gguf_path: str | Path, out_dir: str | Path, quiet: bool = False) -> Path:
-    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    return _write_hf_dir(GGUFReader(gguf_path), Path(gguf_path), Path(out_dir), quiet)
+
+
+def _write_hf_dir(reader: GGUFReader, gguf_path: Path, out_dir: Path, quiet: bool) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
-    reader = GGUFReader(gguf_path)
     config = _hf_config(reader)
     tensors = dict(read_gguf_tensors(reader, config, quantized_as=None, quiet=quiet))
     config["tie_word_embeddings"] = "lm_head.weight" not in tensors
@@ -79,7 +98,6 @@ def read_gguf_tensors(
     """HF-named fp32 tensors, dequantized; with `quantized_as` (bits, group size), the decoder's linear weights
     come instead as their stored integers, group scales and offsets (`qweight`, `scales`, `offsets`: the layout
     of kernels/quant_matmul.py)."""
-    from pagellm.quantization.config import is_gguf_linear
     from pagellm.quantization.gguf_blocks import GGUF_FORMATS, decode_blocks
     from pagellm.quantization.packing import pack_int32
 

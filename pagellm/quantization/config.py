@@ -100,11 +100,12 @@ def gguf_quantization(gguf_file: str, explicit: bool) -> QuantizationConfig | No
     """The GGUF's decoder linears as stored, in one grouped-integer format wide enough for all of them (the most
     bits, the smallest group: Q4_K beside Q6_K is held as 8-bit groups of 16). A block type the kernels cannot
     run falls back to dequantized weights, or is an error when quantization='gguf' was asked for."""
-    from gguf import GGUFReader
+    from gguf import GGMLQuantizationType
 
+    from pagellm.model.gguf_convert import gguf_linear_types
     from pagellm.quantization.gguf_blocks import GGUF_FORMATS, supported_names
 
-    types = {t.tensor_type for t in GGUFReader(gguf_file).tensors if is_gguf_linear(t.name)}
+    types = {GGMLQuantizationType[name] for name in gguf_linear_types(gguf_file)}
     unsupported = sorted(t.name for t in types if t not in GGUF_FORMATS)
     if unsupported:
         message = f"GGUF tensor types {unsupported} cannot run quantized (supported: {supported_names()})"

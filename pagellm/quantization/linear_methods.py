@@ -51,12 +51,8 @@ def _param(tensor: torch.Tensor) -> nn.Parameter:
 
 
 def _load_rows(layer: Linear, name: str, shard: int | None, tensor: torch.Tensor) -> None:
-    """Copy a converted tensor into this shard's output rows of `layer.<name>` (one value fills every row: a
-    per-tensor scale)."""
+    """Copy a converted tensor into this shard's output rows of `layer.<name>`."""
     target = getattr(layer, name).data[layer.shard_rows(shard)]
-    if tensor.numel() == 1 and target.dim() == 1:
-        target.fill_(tensor.item())
-        return
     if tensor.shape != target.shape:
         raise ValueError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
     target.copy_(tensor)
@@ -96,6 +92,9 @@ class Fp8LinearMethod:
         raise ValueError(f"checkpoint tensor {component!r} is not part of an FP8 linear layer")
 
     def load(self, layer: Linear, name: str, shard: int | None, tensor: torch.Tensor) -> None:
+        if name == "weight_scale" and tensor.numel() == 1:  # per tensor: the one scale of each of its rows
+            layer.weight_scale.data[layer.shard_rows(shard)].fill_(tensor.item())
+            return
         _load_rows(layer, name, shard, tensor)
 
     def init_dummy(self, layer: Linear, gen: torch.Generator) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from tests.quant_checkpoints import fp8_at_load_weights, write_awq, write_fp8, write_gptq_act_order
+from tests.quant_checkpoints import fp8_at_load_weights, hf_model_with, write_awq, write_fp8, write_gptq_act_order
 
 pytestmark = pytest.mark.gpu
 
@@ -27,11 +27,7 @@ def prompt_logprobs(llm: LLM, ps: list[list[int]]) -> torch.Tensor:
 
 def save_dense(model_dir, state: dict[str, torch.Tensor], out) -> str:
     """A full-precision checkpoint of the weights a quantized one stands for."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    model.load_state_dict({k: v.float() for k, v in state.items()}, strict=False)
-    model.save_pretrained(out)
+    hf_model_with(model_dir, state).save_pretrained(out)
     return str(out)
 
 
