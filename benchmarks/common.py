@@ -4,12 +4,25 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import platform
+import subprocess
 from pathlib import Path
 
 import torch
 
 RESULTS = Path(__file__).parent / "results"
+
+
+def _commit() -> str:
+    """The measured code's commit: PAGELLM_COMMIT where the tree travels without its .git (the device tool)."""
+    if os.environ.get("PAGELLM_COMMIT"):
+        return os.environ["PAGELLM_COMMIT"]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=5)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() or "unknown"
 
 
 def environment() -> dict:
@@ -19,6 +32,7 @@ def environment() -> dict:
         "torch": torch.__version__,
         "cpu": platform.processor() or platform.machine(),
         "cpu_threads": torch.get_num_threads(),
+        "commit": _commit(),
     }
     try:
         import transformers

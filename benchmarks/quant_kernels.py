@@ -1,31 +1,57 @@
 """The quantized-weight matmuls on the GPU at Llama-3.1-8B's shapes: each tile configuration of
-`weight_only_matmul` (INT4 groups of 128 as AWQ/GPTQ, FP8 per channel) for 1 and 16 rows, against the bf16 GEMV /
-cuBLAS on the same shape and against the bandwidth limit of the bytes each must read. The table lists the best
-configuration per (format, rows, shape); the JSON holds the whole sweep (what `_matmul_config` should pick).
+`weight_only_matmul` (INT4 groups of 128 as AWQ/GPTQ, FP8 per channel) for 1, 16 and 64 rows, against the bf16
+GEMV / cuBLAS on the same shape, the prefill paths (dequantize + cuBLAS; FP8 x FP8 `torch._scaled_mm`) and the
+bandwidth limit of the bytes each must read. Every configuration's output is checked against torch first. The
+table lists the best configuration per (format, rows, shape) and the best single one per (format, rows) over the
+four shapes (what `matmul_tiles` picks); the JSON holds the whole sweep.
 
-    python benchmarks/quant_kernels.py [--bandwidth 4.3e12] [--quick]
+Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache
+before the timing, which then runs alone on the GPU.
+
+    python benchmarks/quant_kernels.py [--bandwidth 4.3e12] [--quick] [--workers 12]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from benchmarks.kernels import bench_ms  # noqa: E402
+from pagellm.kernels import reference  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
-from pagellm.kernels.quant_matmul import weight_only_matmul  # noqa: E402
+from pagellm.kernels.quant_matmul import Tiles, dequantize, fp8_quantize_rows, weight_only_matmul  # noqa: E402
 
 # Llama-3.1-8B's decoder linears (N, K): q|k|v, o, gate|up, down.
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
+ROWS = (1, 16, 64)
+FORMATS = ("int4", "fp8")
+
+
+def tile_grid(fmt: str, m: int) -> list[Tiles]:
+    if m == 1:
+        block_k = [256, 512, 1024] if fmt == "int4" else [512, 1024, 2048]
+        block_n = [4, 8, 16, 32] if fmt == "int4" else [4, 8, 16]
+        return [Tiles(1, n, k, w, s) for n, k, w, s in itertools.product(block_n, block_k, [4, 8], [2, 4])]
+    unpack = [False, True] if fmt == "int4" else [False]
+    if m == 16:
+        grid = itertools.product(unpack, [False, True], [16, 32, 64, 128], [64, 128, 256])
+        return [Tiles(16, n, k, 4, 3, d, swap) for d, swap, n, k in grid]
+    if fmt == "fp8":  # above 16 rows FP8 runs on the FP8 tensor cores
+        return []
+    grid = itertools.product(unpack, [False, True], [32, 64, 128], [64, 128])
+    return [Tiles(64, n, k, 4, 3, d, swap) for d, swap, n, k in grid]
 
 
 def weights(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -40,53 +66,121 @@ def weights(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch
     return q, scales, offsets, n * k // 2 + 2 * scales.numel() * 2
 
 
-def configs(m: int, quick: bool) -> list[tuple[int, int, int, int, int]]:
-    if m == 1:
-        grid = itertools.product([1], [4, 8, 16, 32], [128, 256, 512, 1024], [2, 4, 8], [2, 3, 4])
-    else:
-        grid = itertools.product([16], [32, 64, 128], [64, 128, 256], [4, 8], [2, 3, 4])
-    grid = list(grid)
-    return grid[::7] if quick else grid
+def run(x, w, scales, offsets, fmt: str, tiles: Tiles | None = None) -> torch.Tensor:
+    return weight_only_matmul(x, w, scales, offsets, 4 if fmt == "int4" else 8, GROUP, tiles=tiles)
+
+
+def bench_ms(fn, rep: int) -> float:
+    """Median ms of one CUDA-graph replay of fn, L2 flushed before each (do_bench's cache clearing)."""
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median")
+
+
+def compile_share(jobs: list[tuple[str, int, Tiles]]) -> None:
+    """Worker: run each configuration once on the first shape, so Triton's cache holds its binary."""
+    n, k = SHAPES["qkv"]
+    for fmt, m, tiles in jobs:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        w, scales, offsets, _ = weights(fmt, n, k)
+        try:
+            run(x, w, scales, offsets, fmt, tiles)
+        except Exception:  # a tile the compiler refuses; the timing pass records it
+            pass
+    torch.cuda.synchronize()
+
+
+def baselines(fmt: str, m: int, x, w, scales, offsets, dense, rep: int) -> dict:
+    """The bf16 path on the same shape, and the prefill path of this format."""
+    out = {"bf16_ms": bench_ms(lambda: gemv(x, dense) if m == 1 else F.linear(x, dense), rep)}
+    if m > 1 and fmt == "int4":
+        out["dequantize_cublas_ms"] = bench_ms(
+            lambda: F.linear(x, dequantize(w, scales, offsets, 4, GROUP, x.dtype)), rep
+        )
+    if m > 1 and fmt == "fp8":
+
+        def scaled_mm():
+            q, s = fp8_quantize_rows(x)
+            return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scales[None, :], out_dtype=x.dtype)
+
+        out["fp8_tensor_cores_ms"] = bench_ms(scaled_mm, rep)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
-    parser.add_argument("--quick", action="store_true", help="every 7th configuration only")
+    parser.add_argument("--quick", action="store_true", help="every 5th configuration only")
+    parser.add_argument("--workers", type=int, default=12, help="compiling processes")
+    parser.add_argument("--rep", type=int, default=40, help="ms of timing per configuration")
     args = parser.parse_args()
+    plan = {(fmt, m): tile_grid(fmt, m)[:: 5 if args.quick else 1] for fmt in FORMATS for m in ROWS}
+    jobs = [(fmt, m, t) for (fmt, m), grid in plan.items() for t in grid]
+    started = time.time()
+    if args.workers > 1:
+        ctx = torch.multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+            list(pool.map(compile_share, [jobs[i :: args.workers] for i in range(args.workers)]))
+    print(f"compiled {len(jobs)} configurations in {time.time() - started:.0f} s", flush=True)
     sweep, best = [], []
-    for (shape, (n, k)), m, fmt in itertools.product(SHAPES.items(), (1, 16), ("int4", "fp8")):
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        w, scales, offsets, moved = weights(fmt, n, k)
-        dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        bf16_ms = bench_ms(lambda: gemv(x, dense)) if m == 1 else bench_ms(lambda: F.linear(x, dense))
-        rows = []
-        for config in configs(m, args.quick):
-            try:
-                ms = bench_ms(
-                    lambda: weight_only_matmul(x, w, scales, offsets, 4 if fmt == "int4" else 8, GROUP, config=config)
-                )
-            except Exception as exc:  # a tile the compiler refuses (shared memory, registers)
-                rows.append({"config": config, "error": type(exc).__name__})
-                continue
-            rows.append({"config": config, "ms": ms, "gb_s": moved / ms / 1e6})
-        sweep.append({"shape": shape, "m": m, "format": fmt, "rows": rows})
-        top = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+    for (fmt, m), grid in plan.items():
+        if not grid:
+            continue
+        times: dict[Tiles, list[float]] = {t: [] for t in grid}
+        for shape, (n, k) in SHAPES.items():
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            w, scales, offsets, moved = weights(fmt, n, k)
+            exact = reference.weight_only_matmul(x, w, scales, offsets, 4 if fmt == "int4" else 8, GROUP).float()
+            dense = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            base = baselines(fmt, m, x, w, scales, offsets, dense, args.rep)
+            rows = []
+            for tiles in grid:
+                try:
+                    err = ((run(x, w, scales, offsets, fmt, tiles).float() - exact).norm() / exact.norm()).item()
+                    if not err < 2e-2:
+                        raise ArithmeticError(f"relative error {err:.3g}")
+                    ms = bench_ms(lambda: run(x, w, scales, offsets, fmt, tiles), args.rep)
+                except Exception as exc:  # a tile the compiler refuses (shared memory, registers) or a wrong one
+                    rows.append({"tiles": tiles, "error": f"{type(exc).__name__}: {exc}"[:200]})
+                    times[tiles].append(math.inf)
+                    continue
+                rows.append({"tiles": tiles, "ms": ms, "gb_s": moved / ms / 1e6})
+                times[tiles].append(ms)
+            sweep.append({"shape": shape, "rows": m, "format": fmt, **base, "configs": rows})
+            top = min((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+            default_ms = bench_ms(lambda: run(x, w, scales, offsets, fmt), args.rep)
+            best.append(
+                {
+                    "format": fmt,
+                    "rows": m,
+                    "shape": shape,
+                    "best_tiles": "x".join(str(int(v)) for v in top["tiles"]),
+                    "best_ms": top["ms"],
+                    "default_ms": default_ms,
+                    "%_of_bandwidth": 100 * moved / (top["ms"] / 1e3) / args.bandwidth,
+                    **base,
+                    "speedup_vs_bf16": base["bf16_ms"] / top["ms"],
+                }
+            )
+            print(best[-1], flush=True)
+        overall = min(grid, key=lambda t: sum(map(math.log, times[t])))  # geometric mean over the shapes
+        print(f"best single tiles for {fmt} x {m} rows: {overall} {times[overall]}", flush=True)
         best.append(
             {
-                "shape": shape,
-                "rows": m,
                 "format": fmt,
-                "best_config": "x".join(map(str, top["config"])),
-                "ms": top["ms"],
-                "%_of_bandwidth": 100 * moved / (top["ms"] / 1e3) / args.bandwidth,
-                "bf16_ms": bf16_ms,
-                "speedup_vs_bf16": bf16_ms / top["ms"],
+                "rows": m,
+                "shape": "all four (geomean)",
+                "best_tiles": "x".join(str(int(v)) for v in overall),
+                "best_ms": math.exp(sum(map(math.log, times[overall])) / len(times[overall])),
             }
         )
-        print(best[-1], flush=True)
-    table = markdown_table(best, list(best[0]))
-    write_results("quant-kernels", {"environment": environment(), "best": best, "sweep": sweep}, table)
+    columns = ["format", "rows", "shape", "best_tiles", "best_ms", "default_ms", "%_of_bandwidth", "bf16_ms"]
+    columns += ["dequantize_cublas_ms", "fp8_tensor_cores_ms", "speedup_vs_bf16"]
+    table = markdown_table(best, columns)
+    note = "tiles: block_m x block_n x block_k x warps x stages x direct_unpack x swap_ab"
+    write_results("quant-kernels", {"environment": environment(), "note": note, "best": best, "sweep": sweep}, table)
     print(table)
 
 

@@ -15,6 +15,8 @@ FP8 (`fp8_quantize_rows`).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -24,16 +26,23 @@ import triton.language as tl
 def _load_weight_tile(
     w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DIRECT: tl.constexpr,
 ):  # fmt: skip
     """Weight rows `rows`, columns k0 .. k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; FP8 tiles are unscaled (their
-    per-row scale is applied to the finished sums). Columns past K read as zero."""
+    per-row scale is applied to the finished sums). Columns past K read as zero. Integers are unpacked either
+    DIRECTly (each column loads its word, the repeats hit L1, and shifts by its place in it) or by loading each
+    word once and reshaping [rows, words, values per word] into columns."""
     r_mask = rows < N
+    cols = k0 + tl.arange(0, BLOCK_K)
     if FP8:
-        cols = k0 + tl.arange(0, BLOCK_K)
         mask = r_mask[:, None] & (cols < K)[None, :]
-        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        return tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    PACK: tl.constexpr = 32 // BITS
+    if DIRECT:
+        mask = r_mask[:, None] & (cols < K)[None, :]
+        words = tl.load(w_ptr + rows[:, None] * stride_w + (cols // PACK)[None, :], mask=mask, other=0)
+        q = ((words >> ((cols % PACK) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
     else:
-        PACK: tl.constexpr = 32 // BITS
         WORDS: tl.constexpr = BLOCK_K // PACK
         word_cols = k0 // PACK + tl.arange(0, WORDS)
         w_mask = r_mask[:, None] & (word_cols < K // PACK)[None, :]
@@ -41,53 +50,100 @@ def _load_weight_tile(
         shifts = tl.arange(0, PACK) * BITS
         q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
         q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
-        if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
-            g = k0 // GROUP
-            s_mask = r_mask & (k0 < K)
-            scale = tl.load(scale_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
-            offset = tl.load(offset_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
-            w = q * scale[:, None] + offset[:, None]
-        else:
-            GROUPS: tl.constexpr = BLOCK_K // GROUP
-            groups = k0 // GROUP + tl.arange(0, GROUPS)
-            g_mask = r_mask[:, None] & (groups < K // GROUP)[None, :]
-            g_offs = rows[:, None] * stride_s + groups[None, :]
-            scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-            offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-            scale = tl.reshape(tl.broadcast_to(scale[:, :, None], (BLOCK_N, GROUPS, GROUP)), (BLOCK_N, BLOCK_K))
-            offset = tl.reshape(tl.broadcast_to(offset[:, :, None], (BLOCK_N, GROUPS, GROUP)), (BLOCK_N, BLOCK_K))
-            w = q * scale + offset
-    return w
+    if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
+        g = k0 // GROUP
+        s_mask = r_mask & (k0 < K)
+        scale = tl.load(scale_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
+        offset = tl.load(offset_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
+        return q * scale[:, None] + offset[:, None]
+    g_mask = r_mask[:, None] & (cols < K)[None, :]
+    g_offs = rows[:, None] * stride_s + (cols // GROUP)[None, :]  # repeated per group: L1 hits
+    scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+    offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+    return q * scale + offset
 
 
 @triton.jit
-def _weight_only_matmul_kernel(
+def _gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
+    FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One activation row. FP8: multiply-adds into a [BLOCK_N, BLOCK_K] accumulator, as the bf16 GEMV. Integers:
+    the tile is viewed as [rows, groups, words per group, values per word], so the packed words are unpacked with
+    shifts where they were loaded (no reshape) and each group's scale and offset apply once to its partial sums:
+    sum_k (q*s + o) * x = s * sum_k q*x + o * sum_k x."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_mask = rows < N
+    if FP8:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            c_mask = cols < K
+            w = tl.load(
+                w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0
+            )
+            x = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        out = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows, mask=r_mask, other=0.0)
+    else:
+        PACK: tl.constexpr = 32 // BITS
+        SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # columns of one group inside a tile
+        GROUPS: tl.constexpr = BLOCK_K // SPAN
+        WORDS: tl.constexpr = SPAN // PACK
+        # [GROUPS, WORDS] word index and [GROUPS, WORDS, PACK] column offset inside a tile
+        word = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
+        col = word[:, :, None] * PACK + tl.arange(0, PACK)[None, None, :]
+        shifts = tl.arange(0, PACK) * BITS
+        acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            w_mask = r_mask[:, None, None] & (k0 // PACK + word < K // PACK)[None, :, :]
+            words = tl.load(
+                w_ptr + rows[:, None, None] * stride_w + (k0 // PACK + word)[None, :, :], mask=w_mask, other=0
+            )
+            q = ((words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+            x = tl.load(x_ptr + k0 + col, mask=k0 + col < K, other=0.0).to(tl.float32)
+            qx = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, GROUPS]
+            x_sum = tl.sum(tl.sum(x, axis=2), axis=1)  # [GROUPS]
+            group = (k0 + tl.arange(0, GROUPS) * SPAN) // GROUP
+            g_mask = r_mask[:, None] & (group < K // GROUP)[None, :]
+            g_offs = rows[:, None] * stride_s + group[None, :]
+            scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+            offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+            acc += scale * qx + offset * x_sum[None, :]
+        out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=r_mask)
+
+
+@triton.jit
+def _tile_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
+    """Several activation rows: tensor-core dots on weight tiles dequantized in registers. SWAP_AB computes
+    out^T = W x^T, so the weight tile is the dot's first operand (Hopper's wgmma takes that one from registers,
+    the second only from shared memory) and BLOCK_N, not the few tokens, is its 64-row side."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask, t_mask = rows < N, tokens < M
-    if BLOCK_M == 1:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
-    else:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _load_weight_tile(
-            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
-        )
+            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K,
+            DIRECT,
+        )  # fmt: skip
         cols = k0 + tl.arange(0, BLOCK_K)
-        x_mask = t_mask[:, None] & (cols < K)[None, :]
-        x = tl.load(x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=x_mask, other=0.0)
-        if BLOCK_M == 1:
-            acc += w * x.to(tl.float32)  # x is [1, BLOCK_K]
+        x = tl.load(
+            x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=t_mask[:, None] & (cols < K)[None, :], other=0.0
+        )
+        if SWAP_AB:
+            acc += tl.dot(w.to(x.dtype), tl.trans(x))
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if BLOCK_M == 1:
-        out = tl.reshape(tl.sum(acc, axis=1), (1, BLOCK_N))
-    else:
-        out = acc
+    out = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
     if FP8:
         out *= tl.load(scale_ptr + rows, mask=r_mask, other=0.0)[None, :]
     if HAS_BIAS:
@@ -104,7 +160,7 @@ def _dequantize_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w = _load_weight_tile(
-        w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, False, BITS, GROUP, BLOCK_N, BLOCK_K
+        w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, False, BITS, GROUP, BLOCK_N, BLOCK_K, False
     )
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
@@ -128,13 +184,24 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
     tl.store(scale_ptr + row, scale)
 
 
-def _matmul_config(m: int, fp8: bool, group: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps). One row reduces with multiply-adds over wide tiles, as the bf16
-    GEMV does; more rows use tensor-core dots on 16..64-row tiles. Not tuned yet: on the H200 these gave INT4
-    batch-1 Llama-3.1-8B 20% of its bandwidth limit (benchmarks/quant_kernels.py sweeps the alternatives)."""
+class Tiles(NamedTuple):
+    """One launch configuration of `weight_only_matmul`; block_m 1 is the one-row GEMV kernel (which ignores
+    direct_unpack and swap_ab)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    direct_unpack: bool = False
+    swap_ab: bool = False
+
+
+def matmul_tiles(m: int, fp8: bool, group: int) -> Tiles:
+    """Not tuned yet: benchmarks/quant_kernels.py sweeps the alternatives on the H200."""
     if m == 1:
-        return 1, 8, 512 if fp8 else 256, 4
-    return min(64, max(16, triton.next_power_of_2(m))), 64, 64 if fp8 else min(128, max(32, group)), 4
+        return Tiles(1, 8, 1024 if fp8 else 256, 4, 3)
+    return Tiles(min(64, max(16, triton.next_power_of_2(m))), 64, 64 if fp8 else min(128, max(32, group)), 4, 3)
 
 
 def weight_only_matmul(
@@ -145,24 +212,40 @@ def weight_only_matmul(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None = None,
-    config: tuple[int, int, int, int, int] | None = None,
+    tiles: Tiles | None = None,
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized tile by tile. FP8 weights (`offsets` None) take one
-    fp32 scale per row; integer weights take `bits`-wide values with group scales and offsets. `config`
-    (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) overrides the tiles (benchmarks/quant_kernels.py sweeps)."""
+    fp32 scale per row; integer weights take `bits`-wide values with group scales and offsets. `tiles` overrides
+    the launch configuration (benchmarks/quant_kernels.py sweeps them)."""
     fp8 = offsets is None
+    m, k = x.shape
     n = weight.shape[0]
-    k = x.shape[1]
-    m = x.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    block_m, block_n, block_k, warps, stages = config or (*_matmul_config(m, fp8, group_size), 3)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m))
-    _weight_only_matmul_kernel[grid](
+    t = tiles or matmul_tiles(m, fp8, group_size)
+    common = dict(
+        FP8=fp8,
+        BITS=bits,
+        GROUP=max(group_size, 1),  # unused by FP8
+        HAS_BIAS=bias is not None,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    offsets = scales if fp8 else offsets
+    bias = bias if bias is not None else scales
+    if t.block_m == 1:
+        if m != 1:
+            raise ValueError(f"one-row tiles (block_m 1) given {m} rows")
+        grid = (triton.cdiv(n, t.block_n),)
+        _gemv_kernel[grid](x, weight, scales, offsets, bias, out, n, k, weight.stride(0), scales.stride(0), **common)
+        return out
+    _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
         x,
         weight,
         scales,
-        scales if fp8 else offsets,
-        bias if bias is not None else scales,
+        offsets,
+        bias,
         out,
         m,
         n,
@@ -171,15 +254,10 @@ def weight_only_matmul(
         weight.stride(0),
         scales.stride(0),
         out.stride(0),
-        FP8=fp8,
-        BITS=bits,
-        GROUP=max(group_size, 1),  # unused by FP8
-        HAS_BIAS=bias is not None,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=stages,
+        BLOCK_M=t.block_m,
+        DIRECT=t.direct_unpack,
+        SWAP_AB=t.swap_ab,
+        **common,
     )
     return out
 

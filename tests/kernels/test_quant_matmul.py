@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagellm.kernels import reference
-from pagellm.kernels.quant_matmul import dequantize, fp8_quantize_rows, weight_only_matmul
+from pagellm.kernels.quant_matmul import Tiles, dequantize, fp8_quantize_rows, weight_only_matmul
 from pagellm.quantization.packing import pack_int32, unpack_int32
 from tests.kernels.test_triton_kernels import DEVICE, DTYPES, rel_err
 
@@ -57,6 +57,45 @@ def test_weight_only_matmul_grouped_integers(dtype, m, bits, group):
     assert rel_err(out.cpu(), expected) < TOL[dtype]
     twin = reference.weight_only_matmul(x, words, scales, offsets, bits, group, bias)
     assert rel_err(twin, expected) < TOL[dtype]
+
+
+# Each code path of the two kernels: the one-row GEMV with tiles inside one group, spanning several and ending
+# past K; the dot kernel with either unpacking and either operand order.
+TILE_VARIANTS = [
+    Tiles(1, 16, 64, 4, 2),
+    Tiles(1, 8, 256, 4, 3),
+    Tiles(16, 16, 64, 4, 2, direct_unpack=False, swap_ab=False),
+    Tiles(16, 32, 128, 4, 2, direct_unpack=True, swap_ab=False),
+    Tiles(16, 64, 64, 4, 2, direct_unpack=False, swap_ab=True),
+    Tiles(32, 64, 256, 4, 2, direct_unpack=True, swap_ab=True),
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tiles", TILE_VARIANTS, ids=lambda t: "x".join(str(int(v)) for v in t))
+@pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 16)])
+def test_every_tile_variant(dtype, tiles, bits, group):
+    gen = torch.Generator().manual_seed(tiles.block_n + bits + group)
+    m = 1 if tiles.block_m == 1 else 19
+    n, k = 72, 640  # 640: a partial last tile for 256-column tiles
+    words, scales, offsets, dense = grouped_weight(n, k, bits, group, dtype, gen)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    expected = x.float() @ dense.T
+    out = weight_only_matmul(
+        x.to(DEVICE), words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), bits, group, tiles=tiles
+    )
+    assert rel_err(out.cpu(), expected) < TOL[dtype]
+    fp8 = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
+    out = weight_only_matmul(x.to(DEVICE), fp8.to(DEVICE), scale.to(DEVICE), None, 8, 0, tiles=tiles)
+    assert rel_err(out.cpu(), x.float() @ (fp8.float() * scale[:, None]).T) < TOL[dtype]
+
+
+def test_one_row_tiles_refuse_more_rows():
+    x = torch.randn(2, 64)
+    words = torch.zeros(8, 8, dtype=torch.int32)
+    with pytest.raises(ValueError, match="block_m 1"):
+        weight_only_matmul(x, words, torch.ones(8, 1), torch.zeros(8, 1), 4, 64, tiles=Tiles(1, 8, 64, 4, 2))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
