@@ -34,33 +34,45 @@ def _load_weight_tile(
     word once and reshaping [rows, words, values per word] into columns."""
     r_mask = rows < N
     cols = k0 + tl.arange(0, BLOCK_K)
+    # One return at the end: the JIT compiles every statement after a return inside a constexpr branch.
     if FP8:
         mask = r_mask[:, None] & (cols < K)[None, :]
-        return tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    PACK: tl.constexpr = 32 // BITS
-    if DIRECT:
-        mask = r_mask[:, None] & (cols < K)[None, :]
-        words = tl.load(w_ptr + rows[:, None] * stride_w + (cols // PACK)[None, :], mask=mask, other=0)
-        q = ((words >> ((cols % PACK) * BITS)[None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        WORDS: tl.constexpr = BLOCK_K // PACK
-        word_cols = k0 // PACK + tl.arange(0, WORDS)
-        w_mask = r_mask[:, None] & (word_cols < K // PACK)[None, :]
-        words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=w_mask, other=0)
-        shifts = tl.arange(0, PACK) * BITS
-        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = tl.reshape(q, (BLOCK_N, BLOCK_K)).to(tl.float32)
-    if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
-        g = k0 // GROUP
-        s_mask = r_mask & (k0 < K)
-        scale = tl.load(scale_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
-        offset = tl.load(offset_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
-        return q * scale[:, None] + offset[:, None]
-    g_mask = r_mask[:, None] & (cols < K)[None, :]
-    g_offs = rows[:, None] * stride_s + (cols // GROUP)[None, :]  # repeated per group: L1 hits
-    scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-    offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-    return q * scale + offset
+        PACK: tl.constexpr = 32 // BITS
+        if DIRECT:
+            mask = r_mask[:, None] & (cols < K)[None, :]
+            words = tl.load(w_ptr + rows[:, None] * stride_w + (cols // PACK)[None, :], mask=mask, other=0)
+            q = _int_to_float((words >> ((cols % PACK) * BITS)[None, :]) & ((1 << BITS) - 1))
+        else:
+            WORDS: tl.constexpr = BLOCK_K // PACK
+            word_cols = k0 // PACK + tl.arange(0, WORDS)
+            w_mask = r_mask[:, None] & (word_cols < K // PACK)[None, :]
+            words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=w_mask, other=0)
+            shifts = tl.arange(0, PACK) * BITS
+            q = _int_to_float(
+                tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
+            )
+        if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
+            g = k0 // GROUP
+            s_mask = r_mask & (k0 < K)
+            scale = tl.load(scale_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
+            offset = tl.load(offset_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
+            w = q * scale[:, None] + offset[:, None]
+        else:
+            g_mask = r_mask[:, None] & (cols < K)[None, :]
+            g_offs = rows[:, None] * stride_s + (cols // GROUP)[None, :]  # repeated per group: L1 hits
+            scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+            offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+            w = q * scale + offset
+    return w
+
+
+@triton.jit
+def _int_to_float(q):
+    """Unsigned integers below 2**23 to fp32 exactly, on the full-rate ALUs: placed in the mantissa of 2**23 and
+    subtracted (I2F runs at a quarter of the rate, and the unpacking, not HBM, bounds INT4 GEMVs)."""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
 
 
 @triton.jit
@@ -95,23 +107,25 @@ def _gemv_kernel(
         word = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
         col = word[:, :, None] * PACK + tl.arange(0, PACK)[None, None, :]
         shifts = tl.arange(0, PACK) * BITS
-        acc = tl.zeros([BLOCK_N, GROUPS], tl.float32)
+        # Sums over a word's values stay in its thread; the accumulator keeps the words apart until the end, so
+        # no step reduces across threads.
+        acc = tl.zeros([BLOCK_N, GROUPS, WORDS], tl.float32)
         for k0 in range(0, K, BLOCK_K):
             w_mask = r_mask[:, None, None] & (k0 // PACK + word < K // PACK)[None, :, :]
             words = tl.load(
                 w_ptr + rows[:, None, None] * stride_w + (k0 // PACK + word)[None, :, :], mask=w_mask, other=0
             )
-            q = ((words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1)).to(tl.float32)
+            q = _int_to_float((words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1))
             x = tl.load(x_ptr + k0 + col, mask=k0 + col < K, other=0.0).to(tl.float32)
-            qx = tl.sum(tl.sum(q * x[None, :, :, :], axis=3), axis=2)  # [BLOCK_N, GROUPS]
-            x_sum = tl.sum(tl.sum(x, axis=2), axis=1)  # [GROUPS]
+            qx = tl.sum(q * x[None, :, :, :], axis=3)  # [BLOCK_N, GROUPS, WORDS]
+            x_sum = tl.sum(x, axis=2)  # [GROUPS, WORDS]
             group = (k0 + tl.arange(0, GROUPS) * SPAN) // GROUP
             g_mask = r_mask[:, None] & (group < K // GROUP)[None, :]
             g_offs = rows[:, None] * stride_s + group[None, :]
             scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
             offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-            acc += scale * qx + offset * x_sum[None, :]
-        out = tl.sum(acc, axis=1)
+            acc += scale[:, :, None] * qx + offset[:, :, None] * x_sum[None, :, :]
+        out = tl.sum(tl.sum(acc, axis=2), axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=r_mask)
