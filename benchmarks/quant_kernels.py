@@ -44,14 +44,13 @@ def tile_grid(fmt: str, m: int) -> list[Tiles]:
         block_k = [256, 512, 1024] if fmt == "int4" else [512, 1024, 2048]
         block_n = [4, 8, 16, 32] if fmt == "int4" else [4, 8, 16]
         return [Tiles(1, n, k, w, s) for n, k, w, s in itertools.product(block_n, block_k, [4, 8], [2, 4])]
-    unpack = [False, True] if fmt == "int4" else [False]
     if m == 16:
-        grid = itertools.product(unpack, [False, True], [16, 32, 64, 128], [64, 128, 256])
-        return [Tiles(16, n, k, 4, 3, d, swap) for d, swap, n, k in grid]
+        grid = itertools.product([False, True], [16, 32, 64, 128], [64, 128, 256])
+        return [Tiles(16, n, k, 4, 3, swap) for swap, n, k in grid]
     if fmt == "fp8":  # above 16 rows FP8 runs on the FP8 tensor cores
         return []
-    grid = itertools.product(unpack, [False, True], [32, 64, 128], [64, 128])
-    return [Tiles(64, n, k, 4, 3, d, swap) for d, swap, n, k in grid]
+    grid = itertools.product([False, True], [32, 64, 128], [64, 128])
+    return [Tiles(64, n, k, 4, 3, swap) for swap, n, k in grid]
 
 
 def weights(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -184,7 +183,7 @@ def main() -> None:
     columns = ["format", "rows", "shape", "best_tiles", "best_ms", "default_ms", "%_of_bandwidth", "bf16_ms"]
     columns += ["dequantize_cublas_ms", "fp8_tensor_cores_ms", "speedup_vs_bf16"]
     table = markdown_table(best, columns)
-    note = "tiles: block_m x block_n x block_k x warps x stages x direct_unpack x swap_ab"
+    note = "tiles: block_m x block_n x block_k x warps x stages x swap_ab"
     write_results("quant-kernels", {"environment": environment(), "note": note, "best": best, "sweep": sweep}, table)
     print(table)
 

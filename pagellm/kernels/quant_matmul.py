@@ -26,12 +26,11 @@ import triton.language as tl
 def _load_weight_tile(
     w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DIRECT: tl.constexpr,
 ):  # fmt: skip
     """Weight rows `rows`, columns k0 .. k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; FP8 tiles are unscaled (their
-    per-row scale is applied to the finished sums). Columns past K read as zero. Integers are unpacked either
-    DIRECTly (each column loads its word, the repeats hit L1, and shifts by its place in it) or by loading each
-    word once and reshaping [rows, words, values per word] into columns."""
+    per-row scale is applied to the finished sums). Columns past K read as zero. Integer words load once each and
+    unpack into [rows, words, values per word], reshaped into columns (loading each column's word, the repeats
+    hitting L1, measured no faster on the H200)."""
     r_mask = rows < N
     cols = k0 + tl.arange(0, BLOCK_K)
     # One return at the end: the JIT compiles every statement after a return inside a constexpr branch.
@@ -40,19 +39,13 @@ def _load_weight_tile(
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
         PACK: tl.constexpr = 32 // BITS
-        if DIRECT:
-            mask = r_mask[:, None] & (cols < K)[None, :]
-            words = tl.load(w_ptr + rows[:, None] * stride_w + (cols // PACK)[None, :], mask=mask, other=0)
-            q = _int_to_float((words >> ((cols % PACK) * BITS)[None, :]) & ((1 << BITS) - 1))
-        else:
-            WORDS: tl.constexpr = BLOCK_K // PACK
-            word_cols = k0 // PACK + tl.arange(0, WORDS)
-            w_mask = r_mask[:, None] & (word_cols < K // PACK)[None, :]
-            words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=w_mask, other=0)
-            shifts = tl.arange(0, PACK) * BITS
-            q = _int_to_float(
-                tl.reshape((words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1), (BLOCK_N, BLOCK_K))
-            )
+        WORDS: tl.constexpr = BLOCK_K // PACK
+        word_cols = k0 // PACK + tl.arange(0, WORDS)
+        w_mask = r_mask[:, None] & (word_cols < K // PACK)[None, :]
+        words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=w_mask, other=0)
+        shifts = tl.arange(0, PACK) * BITS
+        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
+        q = _int_to_float(tl.reshape(q, (BLOCK_N, BLOCK_K)))
         if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
             g = k0 // GROUP
             s_mask = r_mask & (k0 < K)
@@ -135,7 +128,7 @@ def _gemv_kernel(
 def _tile_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DIRECT: tl.constexpr, SWAP_AB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """Several activation rows: tensor-core dots on weight tiles dequantized in registers. SWAP_AB computes
     out^T = W x^T, so the weight tile is the dot's first operand (Hopper's wgmma takes that one from registers,
@@ -146,9 +139,8 @@ def _tile_matmul_kernel(
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _load_weight_tile(
-            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K,
-            DIRECT,
-        )  # fmt: skip
+            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
+        )
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=t_mask[:, None] & (cols < K)[None, :], other=0.0
@@ -174,7 +166,7 @@ def _dequantize_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w = _load_weight_tile(
-        w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, False, BITS, GROUP, BLOCK_N, BLOCK_K, False
+        w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, False, BITS, GROUP, BLOCK_N, BLOCK_K
     )
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
@@ -200,22 +192,24 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
 
 class Tiles(NamedTuple):
     """One launch configuration of `weight_only_matmul`; block_m 1 is the one-row GEMV kernel (which ignores
-    direct_unpack and swap_ab)."""
+    swap_ab)."""
 
     block_m: int
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
-    direct_unpack: bool = False
     swap_ab: bool = False
 
 
 def matmul_tiles(m: int, fp8: bool, group: int) -> Tiles:
-    """Not tuned yet: benchmarks/quant_kernels.py sweeps the alternatives on the H200."""
+    """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
+    (benchmarks/results/quant-kernels-2026-12-03): narrow row tiles, so even N = 4,096 spreads over every SM."""
     if m == 1:
-        return Tiles(1, 8, 1024 if fp8 else 256, 4, 3)
-    return Tiles(min(64, max(16, triton.next_power_of_2(m))), 64, 64 if fp8 else min(128, max(32, group)), 4, 3)
+        return Tiles(1, 8, 1024, 4, 4) if fp8 else Tiles(1, 8, 512, 8, 2)
+    if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
+        return Tiles(16, 32, 256, 4, 3, swap_ab=True)
+    return Tiles(min(64, max(16, triton.next_power_of_2(m))), 16 if m <= 16 else 32, min(128, max(32, group)), 4, 3)
 
 
 def weight_only_matmul(
@@ -269,7 +263,6 @@ def weight_only_matmul(
         scales.stride(0),
         out.stride(0),
         BLOCK_M=t.block_m,
-        DIRECT=t.direct_unpack,
         SWAP_AB=t.swap_ab,
         **common,
     )

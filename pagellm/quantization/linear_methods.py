@@ -175,6 +175,7 @@ class GroupedIntLinearMethod:
             _load_rows(layer, name, shard, tensor)
             return
         # q/k/v (gate/up) see the same input, so GPTQ gives them the same act-order; one copy serves all.
+        tensor = tensor.to(layer.g_idx.device)
         if layer.g_idx[0] >= 0 and not torch.equal(layer.g_idx.data, tensor):
             raise ValueError("checkpoint g_idx differs between the projections of one merged layer")
         layer.g_idx.data.copy_(tensor)

@@ -60,14 +60,14 @@ def test_weight_only_matmul_grouped_integers(dtype, m, bits, group):
 
 
 # Each code path of the two kernels: the one-row GEMV with tiles inside one group, spanning several and ending
-# past K; the dot kernel with either unpacking and either operand order.
+# past K; the dot kernel with tiles inside one group or spanning several, in either operand order.
 TILE_VARIANTS = [
     Tiles(1, 16, 64, 4, 2),
     Tiles(1, 8, 256, 4, 3),
-    Tiles(16, 16, 64, 4, 2, direct_unpack=False, swap_ab=False),
-    Tiles(16, 32, 128, 4, 2, direct_unpack=True, swap_ab=False),
-    Tiles(16, 64, 64, 4, 2, direct_unpack=False, swap_ab=True),
-    Tiles(32, 64, 256, 4, 2, direct_unpack=True, swap_ab=True),
+    Tiles(16, 16, 64, 4, 2),
+    Tiles(16, 32, 128, 4, 2, swap_ab=True),
+    Tiles(16, 64, 64, 4, 2, swap_ab=True),
+    Tiles(32, 64, 256, 4, 2),
 ]
 
 
