@@ -28,9 +28,7 @@ def _load_weight_tile(
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Weight rows `rows`, columns k0 .. k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; FP8 tiles are unscaled (their
-    per-row scale is applied to the finished sums). Columns past K read as zero. Integer words load once each and
-    unpack into [rows, words, values per word], reshaped into columns (loading each column's word, the repeats
-    hitting L1, measured no faster on the H200)."""
+    per-row scale is applied to the finished sums). Columns past K read as zero."""
     r_mask = rows < N
     cols = k0 + tl.arange(0, BLOCK_K)
     # One return at the end: the JIT compiles every statement after a return inside a constexpr branch.
@@ -38,26 +36,26 @@ def _load_weight_tile(
         mask = r_mask[:, None] & (cols < K)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        PACK: tl.constexpr = 32 // BITS
-        WORDS: tl.constexpr = BLOCK_K // PACK
-        word_cols = k0 // PACK + tl.arange(0, WORDS)
-        w_mask = r_mask[:, None] & (word_cols < K // PACK)[None, :]
+        WORDS: tl.constexpr = BLOCK_K * BITS // 32
+        word_cols = k0 * BITS // 32 + tl.arange(0, WORDS)
+        w_mask = r_mask[:, None] & (word_cols < K * BITS // 32)[None, :]
         words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=w_mask, other=0)
-        shifts = tl.arange(0, PACK) * BITS
-        q = (words[:, :, None] >> shifts[None, None, :]) & ((1 << BITS) - 1)
-        q = _int_to_float(tl.reshape(q, (BLOCK_N, BLOCK_K)))
+        q = _unpack(words, BITS)
         if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
             g = k0 // GROUP
             s_mask = r_mask & (k0 < K)
             scale = tl.load(scale_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
             offset = tl.load(offset_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
             w = q * scale[:, None] + offset[:, None]
-        else:
-            g_mask = r_mask[:, None] & (cols < K)[None, :]
-            g_offs = rows[:, None] * stride_s + (cols // GROUP)[None, :]  # repeated per group: L1 hits
+        else:  # GROUPS whole groups: their scales broadcast over a [rows, groups, group] view (a free reshape)
+            GROUPS: tl.constexpr = BLOCK_K // GROUP
+            groups = k0 // GROUP + tl.arange(0, GROUPS)
+            g_mask = r_mask[:, None] & (groups < K // GROUP)[None, :]
+            g_offs = rows[:, None] * stride_s + groups[None, :]
             scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
             offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-            w = q * scale + offset
+            q = tl.reshape(q, (BLOCK_N, GROUPS, GROUP))
+            w = tl.reshape(q * scale[:, :, None] + offset[:, :, None], (BLOCK_N, BLOCK_K))
     return w
 
 
@@ -66,6 +64,22 @@ def _int_to_float(q):
     """Unsigned integers below 2**23 to fp32 exactly, on the full-rate ALUs: placed in the mantissa of 2**23 and
     subtracted (I2F runs at a quarter of the rate, and the unpacking, not HBM, bounds INT4 GEMVs)."""
     return (q | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+
+
+@triton.jit
+def _unpack(words, BITS: tl.constexpr):
+    """[rows, words] int32 -> [rows, words * 32 / BITS] fp32 columns in order (value j of a word at bits
+    [BITS*j, BITS*(j+1))). tl.join adds its new axis inside each thread, so a word's values stay in the thread
+    that loaded it and the reshape moves no data; nested as below, the joins' axes flatten into column order."""
+    MASK: tl.constexpr = (1 << BITS) - 1
+    if BITS == 4:
+        v0, v1, v2, v3 = words & MASK, (words >> 4) & MASK, (words >> 8) & MASK, (words >> 12) & MASK
+        v4, v5, v6, v7 = (words >> 16) & MASK, (words >> 20) & MASK, (words >> 24) & MASK, (words >> 28) & MASK
+        q = tl.join(tl.join(tl.join(v0, v4), tl.join(v2, v6)), tl.join(tl.join(v1, v5), tl.join(v3, v7)))
+    else:
+        v0, v1, v2, v3 = words & MASK, (words >> 8) & MASK, (words >> 16) & MASK, (words >> 24) & MASK
+        q = tl.join(tl.join(v0, v2), tl.join(v1, v3))
+    return _int_to_float(tl.reshape(q, (words.shape[0], words.shape[1] * (32 // BITS))))
 
 
 @triton.jit
@@ -80,45 +94,19 @@ def _gemv_kernel(
     sum_k (q*s + o) * x = s * sum_k q*x + o * sum_k x."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
+    for k0 in range(0, K, BLOCK_K):
+        w = _load_weight_tile(
+            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
+        )
+        # x loaded per row of the tile (the same addresses, L1 hits): [BLOCK_N, BLOCK_K] takes the weight tile's
+        # register layout, where a [BLOCK_K] load would take its own and convert the tile through shared memory.
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_ptr + (rows * 0)[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+        acc += w * x.to(tl.float32)
+    out = tl.sum(acc, axis=1)
     if FP8:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            c_mask = cols < K
-            w = tl.load(
-                w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0
-            )
-            x = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        out = tl.sum(acc, axis=1) * tl.load(scale_ptr + rows, mask=r_mask, other=0.0)
-    else:
-        PACK: tl.constexpr = 32 // BITS
-        SPAN: tl.constexpr = GROUP if GROUP < BLOCK_K else BLOCK_K  # columns of one group inside a tile
-        GROUPS: tl.constexpr = BLOCK_K // SPAN
-        WORDS: tl.constexpr = SPAN // PACK
-        # [GROUPS, WORDS] word index and [GROUPS, WORDS, PACK] column offset inside a tile
-        word = tl.arange(0, GROUPS)[:, None] * WORDS + tl.arange(0, WORDS)[None, :]
-        col = word[:, :, None] * PACK + tl.arange(0, PACK)[None, None, :]
-        shifts = tl.arange(0, PACK) * BITS
-        # Sums over a word's values stay in its thread; the accumulator keeps the words apart until the end, so
-        # no step reduces across threads.
-        acc = tl.zeros([BLOCK_N, GROUPS, WORDS], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            w_mask = r_mask[:, None, None] & (k0 // PACK + word < K // PACK)[None, :, :]
-            words = tl.load(
-                w_ptr + rows[:, None, None] * stride_w + (k0 // PACK + word)[None, :, :], mask=w_mask, other=0
-            )
-            q = _int_to_float((words[:, :, :, None] >> shifts[None, None, None, :]) & ((1 << BITS) - 1))
-            x = tl.load(x_ptr + k0 + col, mask=k0 + col < K, other=0.0).to(tl.float32)
-            qx = tl.sum(q * x[None, :, :, :], axis=3)  # [BLOCK_N, GROUPS, WORDS]
-            x_sum = tl.sum(x, axis=2)  # [GROUPS, WORDS]
-            group = (k0 + tl.arange(0, GROUPS) * SPAN) // GROUP
-            g_mask = r_mask[:, None] & (group < K // GROUP)[None, :]
-            g_offs = rows[:, None] * stride_s + group[None, :]
-            scale = tl.load(scale_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-            offset = tl.load(offset_ptr + g_offs, mask=g_mask, other=0.0).to(tl.float32)
-            acc += scale[:, :, None] * qx + offset[:, :, None] * x_sum[None, :, :]
-        out = tl.sum(tl.sum(acc, axis=2), axis=1)
+        out *= tl.load(scale_ptr + rows, mask=r_mask, other=0.0)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=r_mask)
@@ -206,7 +194,7 @@ def matmul_tiles(m: int, fp8: bool, group: int) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
     (benchmarks/results/quant-kernels-2026-12-03): narrow row tiles, so even N = 4,096 spreads over every SM."""
     if m == 1:
-        return Tiles(1, 8, 1024, 4, 4) if fp8 else Tiles(1, 8, 512, 8, 2)
+        return Tiles(1, 8, 1024, 4, 4) if fp8 else Tiles(1, 8, min(128, max(32, group)), 4, 3)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 3, swap_ab=True)
     return Tiles(min(64, max(16, triton.next_power_of_2(m))), 16 if m <= 16 else 32, min(128, max(32, group)), 4, 3)
