@@ -313,3 +313,19 @@ def test_quantize_command_runs_gptq_asymmetric_in_the_v2_format(tiny_chat_model_
         scales = t[f"{prefix}.scales"].float()
         dense[name] = ((q - zeros.repeat_interleave(32, 0)) * scales.repeat_interleave(32, 0)).T.contiguous()
     assert_matches_hf(LLM(str(out), **CPU), tiny_chat_model_dir, dense)
+
+
+def test_groups_must_be_a_power_of_two_or_whole_rows():
+    """The kernels' tiles hold whole groups or lie inside one; a group of 48 would straddle them."""
+    from pagellm.kernels.ops import TorchOps
+    from pagellm.model.layers import Linear
+    from pagellm.quantization.config import QuantizationConfig
+    from pagellm.quantization.linear_methods import GroupedIntLinearMethod
+
+    def method(group: int) -> GroupedIntLinearMethod:
+        return GroupedIntLinearMethod(QuantizationConfig("int", "gptq", True, bits=4, group_size=group))
+
+    with pytest.raises(ValueError, match="group_size must be a power of two or -1 .*got 48"):
+        Linear(96, 16, TorchOps(), method=method(48))
+    assert Linear(96, 16, TorchOps(), method=method(32)).group_size == 32
+    assert Linear(96, 16, TorchOps(), method=method(-1)).group_size == 96

@@ -88,13 +88,11 @@ def _gemv_kernel(
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One activation row. FP8: multiply-adds into a [BLOCK_N, BLOCK_K] accumulator, as the bf16 GEMV. Integers:
-    the tile is viewed as [rows, groups, words per group, values per word], so the packed words are unpacked with
-    shifts where they were loaded (no reshape) and each group's scale and offset apply once to its partial sums:
-    sum_k (q*s + o) * x = s * sum_k q*x + o * sum_k x."""
+    """One activation row: multiply-adds into a [BLOCK_N, BLOCK_K] accumulator reduced once at the end, as the
+    bf16 GEMV does, on weight tiles dequantized in registers."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
+    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _load_weight_tile(
             w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
@@ -194,10 +192,10 @@ def matmul_tiles(m: int, fp8: bool, group: int) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
     (benchmarks/results/quant-kernels-2026-12-03): narrow row tiles, so even N = 4,096 spreads over every SM."""
     if m == 1:
-        return Tiles(1, 8, 1024, 4, 4) if fp8 else Tiles(1, 8, min(128, max(32, group)), 4, 3)
+        return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 4, 512, 8, 4)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 3, swap_ab=True)
-    return Tiles(min(64, max(16, triton.next_power_of_2(m))), 16 if m <= 16 else 32, min(128, max(32, group)), 4, 3)
+    return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
 
 
 def weight_only_matmul(

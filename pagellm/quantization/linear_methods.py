@@ -131,6 +131,8 @@ class GroupedIntLinearMethod:
             raise ValueError(
                 f"a linear layer with {in_features} inputs does not split into quantization groups of {group}"
             )
+        if group != in_features and group & (group - 1):  # the kernels' tiles hold whole groups or lie in one
+            raise ValueError(f"quantization group_size must be a power of two or -1 (whole rows); got {group}")
         layer.group_size = group
         layer.compute_dtype = torch.get_default_dtype()
         layer.qweight = _param(torch.empty(out_features, in_features * self.bits // 32, dtype=torch.int32))
