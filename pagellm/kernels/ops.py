@@ -101,7 +101,14 @@ class TorchOps:
         return logits.argmax(dim=-1)
 
     def apply_token_bitmask(self, logits, bitmask, rows):
-        reference.apply_token_bitmask(logits, bitmask, rows)
+        """xgrammar's C++ kernel on the constrained rows (its bitmask rows must be the logits' rows): the torch
+        twin's per-token shifts took 56 ms of a 130 ms CPU step at batch 16."""
+        import xgrammar  # structured outputs need it; nothing else calls this
+
+        rows = rows.long()
+        constrained = logits[rows]
+        xgrammar.apply_token_bitmask_inplace(constrained, bitmask)
+        logits[rows] = constrained
 
 
 class TritonOps:

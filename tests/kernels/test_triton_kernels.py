@@ -267,3 +267,21 @@ def test_apply_token_bitmask(dtype, vocab):
         assert torch.all(expected[row].cpu()[~allowed] == float("-inf"))
     untouched = [r for r in range(6) if r not in rows.tolist()]
     assert torch.equal(expected[untouched], logits[untouched])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_ops_apply_token_bitmask_matches_the_twin(dtype):
+    """The CPU path masks through xgrammar's kernel; the constrained rows come in any order, the others stay."""
+    from pagellm.kernels.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(1)
+    vocab = 4096 + 33
+    logits = torch.randn(6, vocab, generator=gen).to(dtype)
+    rows = torch.tensor([4, 1, 2], dtype=torch.int32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (3, -(-vocab // 32)), generator=gen, dtype=torch.int32)
+    expected = logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, rows)
+    out = logits.clone()
+    TorchOps().apply_token_bitmask(out, bitmask, rows)
+    assert torch.equal(out, expected)
+    assert torch.equal(out[[0, 3, 5]], logits[[0, 3, 5]])
