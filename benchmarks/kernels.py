@@ -30,7 +30,7 @@ from pagellm.model.attention import allocate_kv_caches  # noqa: E402
 HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 
 
-def bench_ms(fn) -> float:
+def bench_ms(fn, rep: int = 300, warmup: int = 50) -> float:
     """Median ms of `fn` captured in a CUDA graph, replayed after an L2 flush each time. do_bench records its start
     event right after the flush is queued: when fn's own launches (Python, allocations) take the host longer than
     the flush takes the GPU, the GPU idles inside the timed span. That is the likely reason why 1 x 32k decode
@@ -40,7 +40,7 @@ def bench_ms(fn) -> float:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+    return triton.testing.do_bench(graph.replay, warmup=warmup, rep=rep, return_mode="median")
 
 
 def paged_cache(batch: int, ctx: int, int8: bool, gen: torch.Generator):

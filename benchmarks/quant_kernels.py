@@ -23,11 +23,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.kernels import bench_ms  # noqa: E402
 from pagellm.kernels import reference  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
 from pagellm.kernels.quant_matmul import Tiles, dequantize, fp8_quantize_rows, weight_only_matmul  # noqa: E402
@@ -69,15 +69,6 @@ def run(x, w, scales, offsets, fmt: str, tiles: Tiles | None = None) -> torch.Te
     return weight_only_matmul(x, w, scales, offsets, 4 if fmt == "int4" else 8, GROUP, tiles=tiles)
 
 
-def bench_ms(fn, rep: int) -> float:
-    """Median ms of one CUDA-graph replay of fn, L2 flushed before each (do_bench's cache clearing)."""
-    fn()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=rep, return_mode="median")
-
-
 def compile_share(jobs: list[tuple[str, int, Tiles]]) -> None:
     """Worker: run each configuration once on the first shape, so Triton's cache holds its binary."""
     n, k = SHAPES["qkv"]
@@ -93,10 +84,10 @@ def compile_share(jobs: list[tuple[str, int, Tiles]]) -> None:
 
 def baselines(fmt: str, m: int, x, w, scales, offsets, dense, rep: int) -> dict:
     """The bf16 path on the same shape, and the prefill path of this format."""
-    out = {"bf16_ms": bench_ms(lambda: gemv(x, dense) if m == 1 else F.linear(x, dense), rep)}
+    out = {"bf16_ms": bench_ms(lambda: gemv(x, dense) if m == 1 else F.linear(x, dense), rep, warmup=10)}
     if m > 1 and fmt == "int4":
         out["dequantize_cublas_ms"] = bench_ms(
-            lambda: F.linear(x, dequantize(w, scales, offsets, 4, GROUP, x.dtype)), rep
+            lambda: F.linear(x, dequantize(w, scales, offsets, 4, GROUP, x.dtype)), rep, warmup=10
         )
     if m > 1 and fmt == "fp8":
 
@@ -104,7 +95,7 @@ def baselines(fmt: str, m: int, x, w, scales, offsets, dense, rep: int) -> dict:
             q, s = fp8_quantize_rows(x)
             return torch._scaled_mm(q, w.t(), scale_a=s, scale_b=scales[None, :], out_dtype=x.dtype)
 
-        out["fp8_tensor_cores_ms"] = bench_ms(scaled_mm, rep)
+        out["fp8_tensor_cores_ms"] = bench_ms(scaled_mm, rep, warmup=10)
     return out
 
 
@@ -141,7 +132,7 @@ def main() -> None:
                     err = ((run(x, w, scales, offsets, fmt, tiles).float() - exact).norm() / exact.norm()).item()
                     if not err < 2e-2:
                         raise ArithmeticError(f"relative error {err:.3g}")
-                    ms = bench_ms(lambda: run(x, w, scales, offsets, fmt, tiles), args.rep)
+                    ms = bench_ms(lambda: run(x, w, scales, offsets, fmt, tiles), args.rep, warmup=10)
                 except Exception as exc:  # a tile the compiler refuses (shared memory, registers) or a wrong one
                     rows.append({"tiles": tiles, "error": f"{type(exc).__name__}: {exc}"[:200]})
                     times[tiles].append(math.inf)
@@ -154,7 +145,7 @@ def main() -> None:
                 print(f"{fmt} x {m} rows on {shape}: every configuration failed, e.g. {rows[0]['error']}", flush=True)
                 continue
             top = min(ok, key=lambda r: r["ms"])
-            default_ms = bench_ms(lambda: run(x, w, scales, offsets, fmt), args.rep)
+            default_ms = bench_ms(lambda: run(x, w, scales, offsets, fmt), args.rep, warmup=10)
             best.append(
                 {
                     "format": fmt,
