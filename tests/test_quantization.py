@@ -226,7 +226,6 @@ def test_gguf_quantization_needs_a_gguf_file(tiny_llama_dir):
 
 
 def test_awq_scales_fold_exactly_and_protect_large_activations(tmp_path_factory):
-
     from pagellm.quantization.awq import _best_scale, awq_scaled_weights
     from pagellm.quantization.quantize import rtn_dequantized
 

@@ -188,7 +188,7 @@ class Tiles(NamedTuple):
     swap_ab: bool = False
 
 
-def matmul_tiles(m: int, fp8: bool, group: int) -> Tiles:
+def matmul_tiles(m: int, fp8: bool) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
     (benchmarks/results/quant-kernels-2026-12-03): narrow row tiles, so even N = 4,096 spreads over every SM."""
     if m == 1:
@@ -215,7 +215,7 @@ def weight_only_matmul(
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    t = tiles or matmul_tiles(m, fp8, group_size)
+    t = tiles or matmul_tiles(m, fp8)
     common = dict(
         FP8=fp8,
         BITS=bits,
