@@ -1,5 +1,6 @@
 """The model's and the sampler's elementwise and row ops behind one facade, picked once when the runner is built:
-`TritonOps` on CUDA, `TorchOps` (the plain-torch twins of `reference.py`) everywhere else. Layers call
+`TritonOps` on CUDA, `TorchOps` (the plain-torch twins of `reference.py`, and xgrammar's own CPU kernel for the
+structured-output mask) everywhere else. Layers call
 `self.ops.<op>` and never ask which device they are on."""
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ class Ops(Protocol):
 
 
 class TorchOps:
-    """The reference twins: the CPU path and the oracle of the Triton kernels."""
+    """The reference twins (the CPU path and the oracle of the Triton kernels), but for the structured-output mask,
+    which xgrammar's C++ kernel applies faster than the twin."""
 
     name = "torch"
 
