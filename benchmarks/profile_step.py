@@ -1,13 +1,20 @@
 """Where a decode step's time goes on the GPU: wall time per engine step against the GPU kernel time inside it
-(the gap is host work the GPU waits for), and the kernels that take the most time.
+(the gap is host work the GPU waits for), the kernels that take the most time and, for the host's side, the
+operators with the most CPU time of their own.
 
     python benchmarks/profile_step.py --model Qwen3-0.6B --batch 1 --context 128
+    python benchmarks/profile_step.py --model Qwen3-0.6B --prefill --context 128   # time to first token
+
+With --prefill each profiled step is a whole `LLM.generate` of `--batch` fresh prompts of `--context` tokens and
+one output token (what the peers' first-token figure times).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -34,6 +41,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--prefill", action="store_true", help="profile whole first-token requests")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     llm = LLM(
@@ -41,29 +49,48 @@ def main() -> None:
     )
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=10_000, ignore_eos=True)
-    for _ in range(args.batch):
-        engine.add_request(torch.randint(0, 30000, (args.context,), generator=gen).tolist(), params)
-    decoding: set[str] = set()  # requests past their prefill (they have a token)
-    while len(decoding) < args.batch:
-        decoding |= {out.request_id for out in engine.step()}
+
+    def prompts() -> list[list[int]]:
+        return [torch.randint(0, 30000, (args.context,), generator=gen).tolist() for _ in range(args.batch)]
+
+    if args.prefill:
+        first_token = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=1, ignore_eos=True)
+
+        def step() -> None:
+            llm.generate(prompts(), first_token, use_tqdm=False)
+
+    else:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=10_000, ignore_eos=True)
+        for prompt in prompts():
+            engine.add_request(prompt, params)
+        decoding: set[str] = set()  # requests past their prefill (they have a token)
+        while len(decoding) < args.batch:
+            decoding |= {out.request_id for out in engine.step()}
+        step = engine.step
     for _ in range(5):
-        engine.step()
+        step()
     _sync()
     start = time.perf_counter()
     for _ in range(args.steps):
-        engine.step()
+        step()
     _sync()  # the last step may still be in flight (asynchronous scheduling)
     wall_ms = (time.perf_counter() - start) / args.steps * 1e3
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):
-            engine.step()
+            step()
         _sync()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    python_profile = cProfile.Profile()  # the host's Python: where its time goes between and inside launches
+    python_profile.runcall(lambda: [step() for _ in range(args.steps)])
+    _sync()
+    stats = pstats.Stats(python_profile).stats  # (file, line, function) -> (calls, _, own seconds, total, _)
+    top_python = sorted(stats.items(), key=lambda item: -item[1][2])[:15]
+    averages = prof.key_averages()
+    kernels = [e for e in averages if e.device_time_total > 0 and e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_ms = sum(e.device_time_total for e in kernels) / 1e3 / args.steps
     launches = sum(e.count for e in kernels) / args.steps
     top = sorted(kernels, key=lambda e: -e.device_time_total)[:15]
+    host = [e for e in averages if e.device_type == torch.autograd.DeviceType.CPU]
+    top_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:12]
     result = {
         "model": args.model,
         "batch": args.batch,
@@ -72,6 +99,7 @@ def main() -> None:
         "gpu_kernel_ms_per_step": gpu_ms,
         "kernels_per_step": launches,
         "tok_s": args.batch / wall_ms * 1e3,
+        "prefill": args.prefill,
         "top_kernels": [
             {
                 "name": e.key[:90],
@@ -80,6 +108,22 @@ def main() -> None:
             }
             for e in top
         ],
+        "top_host_ops": [
+            {
+                "name": e.key[:90],
+                "self_cpu_us_per_step": e.self_cpu_time_total / args.steps,
+                "calls_per_step": e.count / args.steps,
+            }
+            for e in top_host
+        ],
+        "top_python_functions": [
+            {
+                "name": f"{Path(file).name}:{line} {function}",
+                "own_us_per_step": own * 1e6 / args.steps,
+                "calls_per_step": calls / args.steps,
+            }
+            for (file, line, function), (calls, _, own, _, _) in top_python
+        ],
     }
     print(
         f"{args.model} batch {args.batch} ctx {args.context}: wall {wall_ms:.3f} ms/step, GPU kernels "
@@ -87,6 +131,12 @@ def main() -> None:
     )
     for k in result["top_kernels"]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}")
+    print("host operators (their own CPU time, profiler overhead included):")
+    for k in result["top_host_ops"]:
+        print(f"  {k['self_cpu_us_per_step']:9.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}")
+    print("host Python functions (their own time, under cProfile):")
+    for k in result["top_python_functions"]:
+        print(f"  {k['own_us_per_step']:9.1f} us  x{k['calls_per_step']:6.1f}  {k['name']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
 

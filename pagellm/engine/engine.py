@@ -143,13 +143,14 @@ class Engine:
             self._in_flight = self._launch(ahead) if ahead is not None else None
         updates = self.scheduler.update_from_output(current.step, self.runner.collect(current.launched))
         self.structured_outputs.accept(updates)
+        # The look-ahead step's constrained rows sample as soon as the grammars have their tokens: the device
+        # waits for nothing else, and the output processing below overlaps that sampling. A row of a request that
+        # the output processor then finds stopped is wasted, like any look-ahead row of a stopped request.
+        if self._in_flight is not None:
+            self._sample_constrained(self._in_flight)
         outputs, stopped = self.output_processor.process(updates)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_outputs.remove(stopped)
-        # Last: while the host did the above, the look-ahead step's forward pass ran; once it is sampled the next
-        # step can launch at once.
-        if self._in_flight is not None:
-            self._sample_constrained(self._in_flight)
         return outputs
 
     def _launch(self, step: SchedulerOutput) -> _InFlight:

@@ -21,7 +21,7 @@ from pagellm.model.registry import model_class
 from pagellm.quantization.config import resolve_quantization
 from pagellm.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from pagellm.runner.input_batch import HostBatch, PromptLogprobRows, build_host_batch, to_device
-from pagellm.runner.sampler import SampledTokens, Sampler, ScoreTensors, score_tensors
+from pagellm.runner.sampler import SampledTokens, Sampler, SamplingInputs, ScoreTensors, score_tensors
 from pagellm.runner.transfers import (
     sampled_to_host_async,
     sampled_values,
@@ -66,6 +66,7 @@ class LaunchedStep:
     batch: HostBatch
     prompt_scores: list[tuple[PromptLogprobRows, ScoreTensors]]  # host copies, complete once `copied` has passed
     logits: torch.Tensor | None = None  # kept while sampling waits for the bitmask
+    sampling_inputs: SamplingInputs | None = None  # likewise (prepared at launch: off the bitmask's critical path)
     sampled: SampledTokens | None = None  # on the device, where the next step may read its token ids
     sampled_host: SampledTokens | None = None  # host copies, likewise
     copied: torch.cuda.Event | None = None  # None on the CPU, where everything is done already
@@ -273,30 +274,33 @@ class ModelRunner:
         # launched after this step (the next step, under asynchronous scheduling).
         launched = LaunchedStep(batch, [(rows, scores_to_host_async(scores)) for rows, scores in prompt_scores])
         self._last_launched = launched
+        # Prepared once the forward is enqueued: the host work overlaps the device's.
+        inputs = self.sampler.prepare(batch.sampling_rows) if batch.sampling_rows and self.tp.rank == 0 else None
         if any(row.params.structured_outputs is not None for row in batch.sampling_rows):
-            launched.logits = logits[: len(batch.sampling_rows)]
+            launched.logits, launched.sampling_inputs = logits[: len(batch.sampling_rows)], inputs
         else:
-            self._sample(launched, logits[: len(batch.sampling_rows)])
+            self._sample(launched, logits[: len(batch.sampling_rows)], inputs)
         return launched
 
     @torch.inference_mode()
     def sample_constrained(self, launched: LaunchedStep, grammar: GrammarBitmask | None) -> None:
         """Sample a launched step whose constrained rows waited for their bitmask: the tokens it clears get -inf
         logits first. None: those rows' requests finished meanwhile (their rows are wasted)."""
-        logits, launched.logits = launched.logits, None
+        logits, inputs = launched.logits, launched.sampling_inputs
+        launched.logits = launched.sampling_inputs = None
         if grammar is not None:
             row_of = {request_id: i for i, request_id in enumerate(launched.batch.sampling_ids)}
             rows = torch.tensor([row_of[request_id] for request_id in grammar.request_ids], dtype=torch.int32)
             bitmask = to_device_async(torch.from_numpy(grammar.bitmask), self.device)
             self.ops.apply_token_bitmask(logits, bitmask, to_device_async(rows, self.device))
-        self._sample(launched, logits)
+        self._sample(launched, logits, inputs)
 
-    def _sample(self, launched: LaunchedStep, logits: torch.Tensor) -> None:
+    def _sample(self, launched: LaunchedStep, logits: torch.Tensor, inputs: SamplingInputs | None) -> None:
         """Rank 0 samples (the only rank under tensor parallelism: the others get the tokens, which their next
         step's inputs may need, by a broadcast on the device)."""
         batch = launched.batch
-        if batch.sampling_rows and self.tp.rank == 0:  # prepared once the forward is enqueued: the work overlaps
-            launched.sampled = self.sampler.sample(logits, self.sampler.prepare(batch.sampling_rows))
+        if inputs is not None:
+            launched.sampled = self.sampler.sample(logits, inputs)
             launched.sampled_host = sampled_to_host_async(launched.sampled)
         elif batch.sampling_rows:
             token_ids = torch.empty(len(batch.sampling_rows), dtype=torch.int64, device=self.device)
