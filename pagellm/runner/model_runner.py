@@ -19,7 +19,7 @@ from pagellm.model.layers import can_pack_for_cpu
 from pagellm.model.loader import load_config_dict, load_weights
 from pagellm.model.registry import model_class
 from pagellm.quantization.config import resolve_quantization
-from pagellm.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from pagellm.runner.cuda_graphs import StepGraphs, capture_sizes
 from pagellm.runner.input_batch import HostBatch, PromptLogprobRows, build_host_batch, to_device
 from pagellm.runner.sampler import SampledTokens, Sampler, SamplingInputs, ScoreTensors, score_tensors
 from pagellm.runner.transfers import (
@@ -114,7 +114,7 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed, self.device, self.ops)
         self.kv_caches: list[LayerKVCache] = []
         self.num_blocks = 0
-        self.graphs: DecodeGraphs | None = None  # captured once the KV cache exists; warm-ups run eagerly
+        self.graphs: StepGraphs | None = None  # captured once the KV cache exists; warm-ups run eagerly
         self._last_launched: LaunchedStep | None = None  # whose sampled tokens a look-ahead step feeds on
         self._compilation = self._start_compiling()
         load_weights(self.model, model_dir, engine_config.load_format, engine_config.seed, engine_config.quiet)
@@ -248,10 +248,11 @@ class ModelRunner:
             self.device,
         )
         if self.use_cuda_graphs:
-            self.graphs = DecodeGraphs(
+            self.graphs = StepGraphs(
                 self.model,
                 self.kv_caches,
                 self.engine_config.max_num_seqs,
+                self.engine_config.token_budget,
                 self.max_model_len,
                 self.block_size,
                 self.device,
@@ -314,7 +315,7 @@ class ModelRunner:
     def _forward(self, batch: HostBatch, input_ids: torch.Tensor | None, kv_caches: list[LayerKVCache]) -> torch.Tensor:
         """Logits of the batch's logits rows; `input_ids` (on the device) replace its leading placeholders."""
         if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch, input_ids)  # pure decode: every row samples, in order
+            return self.graphs.run(batch, input_ids)
         inputs = to_device(batch, self.device)
         if input_ids is not None:
             inputs.input_ids[: input_ids.shape[0]] = input_ids

@@ -58,6 +58,44 @@ def test_cuda_graphs_equal_eager(model_dir):
     assert tokens(graphs, ps, sampled) == tokens(eager, ps, sampled)
 
 
+def test_prefill_graphs_equal_eager(model_dir):
+    """Steps of at most four prefill chunks of at most 512 tokens replay graphs: lone prompts of every bucket,
+    several prompts together, a prompt whose prefix is cached and a chunked prompt (its later chunks attend to the
+    cache), all as eager mode computes them."""
+    kwargs = dict(device="cuda", dtype="bfloat16", quiet=True, max_num_batched_tokens=256)
+    eager = LLM(str(model_dir), enforce_eager=True, **kwargs)
+    graphs = LLM(str(model_dir), **kwargs)
+    step_graphs = graphs.engine.runner.graphs
+    replayed_prefills = []
+    run = step_graphs.run
+
+    def counting_run(batch, input_ids=None):
+        if not batch.is_decode_only:
+            replayed_prefills.append(batch.num_tokens)
+        return run(batch, input_ids)
+
+    step_graphs.run = counting_run
+    gen = torch.Generator().manual_seed(5)
+
+    def fresh(*lengths: int) -> list[list[int]]:
+        return [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in lengths]
+
+    lone = fresh(5, 16, 17, 100, 128, 255, 600)
+    cached = lone[5][:200] + [7, 8, 9]  # after lone[5] ran: its first 12 blocks (192 tokens) are cached
+    groups = [[p] for p in lone] + [fresh(5, 40), fresh(17, 100, 128), [cached], fresh(3, 4, 5, 6, 7)]
+    few = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    for group in groups:
+        got, want = graphs.generate(group, few, use_tqdm=False), eager.generate(group, few, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        for g, w in zip(got, want):
+            g_lp = [next(iter(d.values())).logprob for d in g.outputs[0].logprobs]
+            w_lp = [next(iter(d.values())).logprob for d in w.outputs[0].logprobs]
+            assert g_lp == pytest.approx(w_lp, abs=0.05)
+    # Every lone prompt (the 600-token one in chunks of 256, 256 and 88), the pair, the triple and the cached
+    # prompt's 11 new tokens; five prompts together are one sequence too many.
+    assert sorted(replayed_prefills) == sorted([5, 16, 17, 100, 128, 255, 256, 256, 88, 45, 245, 11])
+
+
 SERVE_AFTER_START_UP = """
 import sys, torch
 from triton import knobs
