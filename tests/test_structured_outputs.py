@@ -11,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from pagellm import LLM, SamplingParams, StructuredOutputsParams
+from pagellm.engine import structured_outputs
 from pagellm.engine.structured_outputs import check_json_schema
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput
@@ -39,6 +40,23 @@ def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny_chat_ll
     for i in (1, 4):  # a random model follows the grammar too (it is cut by max_tokens, not by the grammar)
         text = mixed[i].outputs[0].text
         assert re.fullmatch("[a-z]{3,40}", text) or (mixed[i].outputs[0].finish_reason == "length" and text.isalpha())
+
+
+def test_threaded_bitmask_fill_equals_one_row_at_a_time(tiny_chat_llm, monkeypatch):
+    """From BATCH_FILL_ROWS constrained rows on, xgrammar's batch fill runs on threads (one thread on a 2-core
+    machine: forced to 2 here); the samples are those of the one-by-one fill."""
+    rows = structured_outputs.BATCH_FILL_ROWS
+    params = [
+        SamplingParams(temperature=1.0, max_tokens=16, seed=i, structured_outputs={"regex": "[a-z]{2,8}( [0-9]+)?"})
+        for i in range(rows)
+    ]
+    prompts = [[10 + i, 20, 30] for i in range(rows)]
+    runs = []
+    for threads in (1, 2):
+        monkeypatch.setattr(structured_outputs, "FILL_THREADS", threads)
+        runs.append([o.outputs[0].text for o in tiny_chat_llm.generate(prompts, params, use_tqdm=False)])
+    assert runs[0] == runs[1]
+    assert all(re.fullmatch("[a-z]{2,8}( [0-9]+)?", text) for text in runs[1]), runs[1]
 
 
 def test_offline_structured_outputs_on_smollm2(smollm2_llm):
