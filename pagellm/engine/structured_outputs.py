@@ -39,7 +39,7 @@ MAX_WHITESPACE = 20  # JSON: the longest whitespace run allowed between tokens (
 _CACHE_SIZE = 256
 # From this many constrained rows on, the bitmask is filled on several threads (xgrammar's fill holds the GIL one
 # row at a time, its batch fill releases it): the fill sits between a step's tokens and the next step's sampling.
-BATCH_FILL_ROWS = 16
+BATCH_FILL_ROWS = 48
 FILL_THREADS = min(8, (os.cpu_count() or 1) // 2)
 
 logger = logging.getLogger(__name__)
