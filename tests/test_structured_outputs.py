@@ -134,6 +134,7 @@ RECORDED = [  # (parser, reply as the model wrote it, content, [(name, arguments
         [("get_weather", {"city": "Paris"}), ("get_time", {"zone": "CET"})],
     ),
     ("hermes", "It is sunny in Paris today.", "It is sunny in Paris today.", []),
+    ("hermes", '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>', None, [("add", {"a": 1})]),
     ("hermes", "<tool_call>\n{not json}\n</tool_call>", "<tool_call>\n{not json}\n</tool_call>", []),
     (
         "llama3_json",
@@ -165,12 +166,13 @@ def test_tool_parsers_on_recorded_replies(parser, reply, content, calls):
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
 
 
-def stream_through_serving(rules: ChatOutputRules, reply: str, piece: int = 3) -> tuple[str, str, list, str]:
-    """The chunks the server sends for `reply` arriving `piece` characters at a time, merged as a client would:
-    (reasoning, content, [(name, arguments)], finish_reason)."""
+def stream_through_serving(rules: ChatOutputRules, reply: str, piece: int = 3) -> tuple[str, str, list, str, int]:
+    """The chunks the server sends for `reply` arriving `piece` characters at a time, merged as the openai client
+    does (tool-call pieces by index): (reasoning, content, [(name, arguments)], finish_reason, how many chunks
+    before the last carried tool-call pieces)."""
     serving = OpenAIServing.__new__(OpenAIServing)
     job = Job("chat", "m", [], SamplingParams(), [""], chat_rules=rules)
-    state, reasoning, content, calls, finish = _StreamState(), "", "", [], None
+    state, reasoning, content, calls, finish, early = _StreamState(), "", "", {}, None, 0
     for end in list(range(piece, len(reply), piece)) + [len(reply)]:
         done = end == len(reply)
         out = CompletionOutput(0, reply[:end], [], finish_reason="stop" if done else None)
@@ -180,21 +182,51 @@ def stream_through_serving(rules: ChatOutputRules, reply: str, piece: int = 3) -
         delta = choice["delta"]
         reasoning += delta.get("reasoning_content", "")
         content += delta.get("content", "")
-        calls += [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in delta.get("tool_calls", [])]
+        for piece_of_call in delta.get("tool_calls", []):
+            first = piece_of_call["index"] not in calls
+            assert ("id" in piece_of_call) == first == ("name" in piece_of_call["function"])  # a call's first piece
+            call = calls.setdefault(piece_of_call["index"], {"name": "", "arguments": ""})
+            call["name"] += piece_of_call["function"].get("name", "")
+            call["arguments"] += piece_of_call["function"]["arguments"]
+        early += bool(delta.get("tool_calls")) and not done
         finish = choice["finish_reason"] or finish
-    return reasoning, content, calls, finish
+    merged = [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)]
+    return reasoning, content, merged, finish, early
 
 
 @pytest.mark.parametrize("parser,reply,content,calls", RECORDED)
 @pytest.mark.parametrize("piece", [1, 4])
 def test_streamed_tool_calls_reassemble_to_the_whole(parser, reply, content, calls, piece):
     rules = ChatOutputRules("auto", TOOL_PARSERS[parser]())
-    _, streamed, streamed_calls, finish = stream_through_serving(rules, reply, piece)
+    _, streamed, streamed_calls, finish, early = stream_through_serving(rules, reply, piece)
     assert streamed_calls == calls
     assert streamed.strip() == (content or "")
     assert finish == ("tool_calls" if calls else "stop")
     if calls:  # no part of a call leaked into the content on the way
         assert "get_" not in streamed and "{" not in streamed
+    # The calls stream as they are written (the pythonic format's whole calls, once closed: all but the last
+    # arrive before the end); arguments written as a JSON string come with the last chunk.
+    string_arguments = '"arguments": "' in reply
+    assert early > 0 if len(calls) > 1 or (calls and parser != "pythonic" and not string_arguments) else early == 0
+
+
+@pytest.mark.parametrize(
+    "rules,reply,calls",
+    [
+        (
+            ChatOutputRules("required"),
+            '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}, '
+            '{"name": "get_time", "parameters": {"zone": "UTC"}}]',
+            [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"zone": "UTC"})],
+        ),
+        (ChatOutputRules("named", function="get_time"), '{"zone": "CET"}', [("get_time", {"zone": "CET"})]),
+    ],
+)
+@pytest.mark.parametrize("piece", [1, 6])
+def test_forced_tool_calls_stream_as_written(rules, reply, calls, piece):
+    _, content, streamed_calls, finish, early = stream_through_serving(rules, reply, piece)
+    assert (content, streamed_calls, finish) == ("", calls, "tool_calls")
+    assert early > 0
 
 
 @pytest.mark.parametrize("piece", [1, 5])
@@ -204,5 +236,5 @@ def test_reasoning_split_streamed_and_not(piece):
     assert parser.split(reply) == ("First, 2 + 2.\nThat is 4.", "The answer is 4.")
     assert parser.split("<think>still going") == ("still going", "")
     assert parser.split("No thinking here.") == (None, "No thinking here.")
-    reasoning, content, _, _ = stream_through_serving(ChatOutputRules(reasoning_parser=parser), reply, piece)
+    reasoning, content, _, _, _ = stream_through_serving(ChatOutputRules(reasoning_parser=parser), reply, piece)
     assert reasoning.strip() == "First, 2 + 2.\nThat is 4." and content == "The answer is 4."

@@ -11,7 +11,16 @@ from pagellm.engine.structured_outputs import check_json_schema
 from pagellm.errors import InvalidParameter
 from pagellm.sampling_params import StructuredOutputsParams
 from pagellm.server.protocol import ChatCompletionRequest, NamedToolChoice
-from pagellm.server.tool_parsers import REASONING_PARSERS, TOOL_PARSERS, Qwen3ReasoningParser, ToolCall
+from pagellm.server.tool_parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    WHITESPACE,
+    PartialCall,
+    Qwen3ReasoningParser,
+    ToolCall,
+    json_value_end,
+    streamed_call_sequence,
+)
 
 NO_PARAMETERS = {"type": "object", "properties": {}}
 
@@ -44,14 +53,24 @@ class ChatOutputRules:
                 return ChatReply(reasoning, None, calls)
         return ChatReply(reasoning, content)  # "none", or forced output cut short (max_tokens)
 
-    def streaming(self, text: str) -> tuple[str, str]:
-        """(reasoning, content) of the reply so far that can be sent: tool-call text is held back until the end."""
+    def streaming(self, text: str) -> tuple[str, str, list[PartialCall]]:
+        """(reasoning, content, tool calls) of the reply so far that can be sent: the content stops where tool-call
+        text may begin, the calls are as far as they are written."""
         reasoning, content = self.reasoning_parser.split_streaming(text) if self.reasoning_parser else ("", text)
         if self.tool_mode == "auto":
-            content = content[: self.tool_parser.streamable(content)]
-        elif self.tool_mode in ("required", "named"):
-            content = ""
-        return reasoning, content
+            return reasoning, content[: self.tool_parser.streamable(content)], self.tool_parser.streaming_calls(content)
+        start = len(content) - len(content.lstrip(WHITESPACE))
+        if self.tool_mode == "required":  # [{"name": ..., "parameters": {...}}, ...]
+            if not content.startswith("[", start):
+                return reasoning, "", []
+            first = start + 1 + len(content[start + 1 :]) - len(content[start + 1 :].lstrip(WHITESPACE))
+            return reasoning, "", streamed_call_sequence(content, first, WHITESPACE + ",")
+        if self.tool_mode == "named":  # the arguments object itself
+            if not content.startswith("{", start):
+                return reasoning, "", []
+            end = json_value_end(content, start)
+            return reasoning, "", [PartialCall(self.function, content[start:end], end is not None)]
+        return reasoning, content, []
 
     def _forced_calls(self, text: str) -> list[ToolCall] | None:
         try:
@@ -61,6 +80,15 @@ class ChatOutputRules:
         if self.tool_mode == "named":
             return [ToolCall(self.function, json.dumps(value, ensure_ascii=False))]
         return [ToolCall(call["name"], json.dumps(call["parameters"], ensure_ascii=False)) for call in value]
+
+
+def finished_calls(streamed: list[PartialCall], parsed: list[ToolCall]) -> list[PartialCall]:
+    """The calls of a finished reply in the form its stream sent them: the streamed text of each call's arguments
+    when the stream saw the same calls, whole; else the parsed calls (a format the streaming scan does not read,
+    such as arguments written as a JSON string)."""
+    if [c.name for c in streamed] == [c.name for c in parsed] and all(c.complete for c in streamed):
+        return streamed
+    return [PartialCall(call.name, call.arguments, True) for call in parsed]
 
 
 def chat_output_rules(

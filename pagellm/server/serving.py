@@ -16,9 +16,10 @@ from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
-from pagellm.server.chat_output import ChatOutputRules, chat_output_rules
+from pagellm.server.chat_output import ChatOutputRules, chat_output_rules, finished_calls
 from pagellm.server.metrics import ServerMetrics
 from pagellm.server.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest, template_messages
+from pagellm.server.tool_parsers import PartialCall, ToolCall
 
 ClientGone = Callable[[], Awaitable[None]]  # returns once the client has hung up
 
@@ -279,20 +280,21 @@ class OpenAIServing:
     ) -> dict | None:
         """The next chunk of a chat choice: new reasoning and content as far as they can be told apart from
         tool-call text; at the end, whatever was held back and the tool calls."""
-        reasoning, content = job.chat_rules.streaming(c.text)
+        reasoning, content, calls = job.chat_rules.streaming(c.text)
         finish = c.finish_reason
-        calls = []
         if c.finished:
             reply = job.chat_rules.final(c.text)
-            reasoning, content, calls = reply.reasoning or "", reply.content or "", reply.tool_calls
-            finish = "tool_calls" if calls else finish
+            reasoning, content = reply.reasoning or "", reply.content or ""
+            calls = finished_calls(calls, reply.tool_calls) if reply.tool_calls else []
+            finish = "tool_calls" if reply.tool_calls else finish
         delta: dict[str, Any] = {}
         if reasoning.startswith(state.reasoning) and len(reasoning) > len(state.reasoning):
             delta["reasoning_content"], state.reasoning = reasoning[len(state.reasoning) :], reasoning
         if content.startswith(state.content) and len(content) > len(state.content):
             delta["content"], state.content = content[len(state.content) :], content
-        if calls:
-            delta["tool_calls"] = [{"index": i, **call.to_openai()} for i, call in enumerate(calls)]
+        tool_deltas = _tool_call_deltas(calls, state.tool_calls)
+        if tool_deltas:
+            delta["tool_calls"] = tool_deltas
         if not (delta or c.finished or lp):
             return None
         return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
@@ -412,8 +414,25 @@ class _StreamState:
 
     content: str = ""  # the text (completions) or content (chat)
     reasoning: str = ""
+    tool_calls: list[ToolCall] = field(default_factory=list)  # each with the arguments text sent so far
     positions_sent: int = 0  # logprobs positions
     offset: int = 0  # text_offset of the next token
+
+
+def _tool_call_deltas(calls: list[PartialCall], sent: list[ToolCall]) -> list[dict[str, Any]]:
+    """OpenAI's streamed tool-call pieces: a call's id, name and arguments so far when it first appears, then
+    what its arguments grew by (the client concatenates the pieces of each index)."""
+    deltas: list[dict[str, Any]] = []
+    for index, call in enumerate(calls):
+        if index == len(sent):
+            sent.append(ToolCall(call.name, call.arguments))
+            deltas.append({"index": index, **sent[index].to_openai()})
+        elif call.arguments.startswith(sent[index].arguments):
+            grown = call.arguments[len(sent[index].arguments) :]
+            if grown:
+                sent[index].arguments = call.arguments
+                deltas.append({"index": index, "function": {"arguments": grown}})
+    return deltas
 
 
 def _finish(job: Job, c: CompletionOutput) -> tuple[str | None, int | str | None]:

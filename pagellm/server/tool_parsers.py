@@ -1,7 +1,9 @@
 """Tool calls in model output, per model family (vLLM's `--tool-call-parser` names), and the reasoning split.
 
 A parser turns a finished reply into (content, tool calls), and while the reply streams says where tool-call text
-begins (or may begin), so that no part of a call is streamed as content.
+begins (or may begin), so that no part of a call is streamed as content, and what its calls are so far: each once
+its name is complete, with the text of its JSON arguments as far as the model wrote them (the pythonic format's
+arguments are Python, so its calls come whole, each once its closing parenthesis is written).
 """
 
 from __future__ import annotations
@@ -22,6 +24,76 @@ class ToolCall:
 
     def to_openai(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+@dataclass
+class PartialCall:
+    """A tool call as far as a streaming reply tells: its name and a prefix of its arguments' JSON text (all of
+    it once `complete`). The text grows as the reply does, so each prefix extends the one before."""
+
+    name: str
+    arguments: str
+    complete: bool
+
+
+WHITESPACE = " \n\t\r"
+# The head of a call object, up to the '{' of its arguments: name first, as every supported format writes it.
+_CALL_HEAD = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+
+
+def json_value_end(text: str, start: int) -> int | None:
+    """Index after the JSON object or array opening at text[start], or None when the text ends inside it."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def streamed_call(text: str, pos: int) -> tuple[PartialCall | None, int | None]:
+    """The call object `{"name": ..., "arguments" (or "parameters"): {...}}` at text[pos]: the call so far (None
+    before its name is complete) and the index after the object (None while it is open)."""
+    head = _CALL_HEAD.match(text, pos)
+    if head is None:
+        return None, None
+    try:
+        name = json.loads(f'"{head.group(1)}"')
+    except ValueError:
+        return None, None
+    arguments_end = json_value_end(text, head.end())
+    if arguments_end is None:
+        return PartialCall(name, text[head.end() :], False), None
+    close = _skip(text, arguments_end, WHITESPACE)
+    end = close + 1 if close < len(text) and text[close] == "}" else None
+    return PartialCall(name, text[head.end() : arguments_end], True), end
+
+
+def streamed_call_sequence(text: str, pos: int, separators: str) -> list[PartialCall]:
+    """The call objects from text[pos] on, one after the other with `separators` between them."""
+    calls: list[PartialCall] = []
+    while pos < len(text):
+        call, end = streamed_call(text, pos)
+        if call is None:
+            break
+        calls.append(call)
+        if end is None:
+            break
+        pos = _skip(text, end, separators)
+    return calls
 
 
 def _call(obj: Any, arguments_key: str) -> ToolCall:
@@ -66,6 +138,15 @@ class HermesToolParser:
         start = text.find(self.START)
         return start if start >= 0 else len(text) - _partial_marker(text, self.START)
 
+    def streaming_calls(self, text: str) -> list[PartialCall]:
+        calls = []
+        for marker in re.finditer(re.escape(self.START), text):
+            call, _ = streamed_call(text, _skip(text, marker.end(), WHITESPACE))
+            if call is None:
+                break
+            calls.append(call)
+        return calls
+
 
 class Llama3JsonToolParser:
     """Llama 3.1+: the reply is `{"name": ..., "parameters": {...}}` (after `<|python_tag|>` when special tokens
@@ -94,6 +175,12 @@ class Llama3JsonToolParser:
             return 0  # may still be, or is, a call: nothing streams as content
         return len(text)
 
+    def streaming_calls(self, text: str) -> list[PartialCall]:
+        pos = _skip(text, 0, WHITESPACE)
+        if text.startswith(self.TAG, pos):
+            pos = _skip(text, pos + len(self.TAG), WHITESPACE)
+        return streamed_call_sequence(text, pos, WHITESPACE + ";")
+
 
 class PythonicToolParser:
     """Llama 3.2 / 4 style: `[get_weather(city="Paris"), add(a=1, b=2)]`, arguments as Python literals."""
@@ -102,25 +189,41 @@ class PythonicToolParser:
 
     def parse(self, text: str) -> tuple[str | None, list[ToolCall]]:
         body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>").strip()
-        if not (body.startswith("[") and body.endswith("]")):
-            return text, []
-        try:
-            tree = ast.parse(body, mode="eval").body
-            if not isinstance(tree, ast.List) or not all(isinstance(e, ast.Call) for e in tree.elts):
-                return text, []
-            calls = []
-            for element in tree.elts:
-                if not isinstance(element.func, ast.Name) or element.args:
-                    return text, []
-                arguments = {kw.arg: ast.literal_eval(kw.value) for kw in element.keywords}
-                calls.append(ToolCall(element.func.id, json.dumps(arguments, ensure_ascii=False)))
-        except (SyntaxError, ValueError):
-            return text, []
-        return None, calls
+        calls = _python_calls(body) if body.startswith("[") and body.endswith("]") else None
+        return (text, []) if calls is None else (None, calls)
 
     def streamable(self, text: str) -> int:
         stripped = text.lstrip()
         return 0 if not stripped or stripped.startswith(("[", "<|python_start|>")) else len(text)
+
+    def streaming_calls(self, text: str) -> list[PartialCall]:
+        """The calls whose closing parenthesis is written: the longest prefix that closes one parses as a list."""
+        body = text.lstrip().removeprefix("<|python_start|>").lstrip()
+        if not body.startswith("["):
+            return []
+        for end in range(len(body) - 1, 0, -1):
+            if body[end] == ")":
+                calls = _python_calls(body[: end + 1] + "]")
+                if calls is not None:
+                    return [PartialCall(call.name, call.arguments, True) for call in calls]
+        return []
+
+
+def _python_calls(body: str) -> list[ToolCall] | None:
+    """The calls of a Python list of keyword-argument calls, or None when `body` is not one."""
+    try:
+        tree = ast.parse(body, mode="eval").body
+        if not isinstance(tree, ast.List) or not all(isinstance(e, ast.Call) for e in tree.elts):
+            return None
+        calls = []
+        for element in tree.elts:
+            if not isinstance(element.func, ast.Name) or element.args:
+                return None
+            arguments = {kw.arg: ast.literal_eval(kw.value) for kw in element.keywords}
+            calls.append(ToolCall(element.func.id, json.dumps(arguments, ensure_ascii=False)))
+    except (SyntaxError, ValueError):
+        return None
+    return calls
 
 
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}

@@ -219,15 +219,14 @@ def test_auto_tool_calls_and_reasoning_end_to_end(parsing_server):
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         ("get_weather", {"city": "Paris", "days": 2})
     ]
-    reasoning, content, calls = "", "", {}
-    for chunk in client.chat.completions.create(**args, stream=True):
-        for choice in chunk.choices:
-            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
-            content += choice.delta.content or ""
-            for delta in choice.delta.tool_calls or []:
-                calls[delta.index] = (delta.function.name, json.loads(delta.function.arguments))
+    chunks = list(client.chat.completions.create(**args, stream=True))
+    reasoning = "".join((c.choices[0].delta.model_extra or {}).get("reasoning_content") or "" for c in chunks)
+    content, calls, finish = reassemble(chunks)
     assert reasoning.strip() == "The user wants weather." and content.strip() == "Checking."
-    assert calls == {0: ("get_weather", {"city": "Paris", "days": 2})}
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Paris", "days": 2})]
+    assert finish == "tool_calls"
+    # The arguments streamed as the model wrote them, in several pieces.
+    assert sum(bool(c.choices and c.choices[0].delta.tool_calls) for c in chunks) > 2
     # A tool result goes back through the chat template, the earlier call's arguments as an object.
     followup = client.chat.completions.create(
         model=MODEL,
