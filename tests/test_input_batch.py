@@ -1,4 +1,5 @@
-"""build_host_batch: plain rows to the flat arrays of one forward pass, checked entry by entry."""
+"""build_host_batch: plain rows to the flat arrays of one forward pass, checked entry by entry; which CUDA graph
+a batch replays."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from pagellm.core.step import PromptScoring, SamplingRow, SchedulerOutput, StepRow
+from pagellm.runner.cuda_graphs import GraphShape, capture_sizes, graph_shape, prefill_capture_sizes
 from pagellm.runner.input_batch import build_host_batch
 from pagellm.sampling_params import SamplingParams
 
@@ -77,3 +79,27 @@ def test_pending_inputs_are_placeholders_and_must_lead():
     known = StepRow("c", start=6, num_tokens=1, token_ids=[5], block_ids=[0, 1], sampling=sampling(1))
     with pytest.raises(ValueError, match="pending"):
         build_host_batch(SchedulerOutput([known, *pending]), BLOCK)
+
+
+def prefill(name: str, num_tokens: int, start: int = 0, scoring: PromptScoring | None = None) -> StepRow:
+    blocks = list(range(-(-(start + num_tokens) // BLOCK)))
+    return StepRow(name, start, num_tokens, [1] * num_tokens, blocks, sampling=sampling(), prompt_scoring=scoring)
+
+
+def test_graph_shapes_of_decode_and_short_prefill_steps():
+    decode_sizes, prefill_sizes = capture_sizes(24), prefill_capture_sizes(256)
+    assert decode_sizes == [1, 2, 4, 8, 16, 24] and prefill_sizes == [16, 32, 64, 128, 256]
+
+    def shape(*rows: StepRow) -> GraphShape | None:
+        return graph_shape(build_host_batch(SchedulerOutput(list(rows)), BLOCK), decode_sizes, prefill_sizes)
+
+    decodes = [StepRow(f"d{i}", 5, 1, [3], [0, 1], sampling=sampling()) for i in range(25)]
+    assert shape(*decodes[:3]) == GraphShape(4, 4, True)
+    assert shape(*decodes) is None  # more sequences than the largest decode graph
+    assert shape(prefill("a", 100)) == GraphShape(128, 4, False)
+    assert shape(prefill("a", 17, start=32), prefill("b", 40)) == GraphShape(64, 4, False)  # a cached prefix too
+    assert shape(*(prefill(str(i), 5) for i in range(4))) == GraphShape(32, 4, False)
+    assert shape(*(prefill(str(i), 5) for i in range(5))) is None  # one sequence more than the grid covers
+    assert shape(prefill("a", 257)) is None  # past the ladder
+    assert shape(prefill("a", 20), decodes[0]) is None  # decodes beside prefills run eagerly
+    assert shape(prefill("a", 20, scoring=PromptScoring(0, [1] * 19))) is None  # prompt logprobs read every row

@@ -54,6 +54,18 @@ class GraphShape:
     decode: bool  # every sequence has one token (and samples it, in order)
 
 
+def graph_shape(batch: HostBatch, decode_sizes: list[int], prefill_sizes: list[int]) -> GraphShape | None:
+    """The captured graph a step replays, or None when it runs eagerly."""
+    n = batch.num_tokens
+    if batch.is_decode_only:
+        bs = next((s for s in decode_sizes if s >= n), None)
+        return GraphShape(bs, bs, True) if bs is not None else None
+    if batch.num_decodes or batch.prompt_logprob_rows or len(batch.seq_lens) > PREFILL_GRAPH_SEQS:
+        return None
+    t = next((t for t in prefill_sizes if t >= n), None)
+    return GraphShape(t, PREFILL_GRAPH_SEQS, False) if t is not None else None
+
+
 class StepGraphs:
     def __init__(
         self,
@@ -163,23 +175,13 @@ class StepGraphs:
         finally:
             gc.unfreeze()
 
-    def _shape_for(self, batch: HostBatch) -> GraphShape | None:
-        n = batch.num_tokens
-        if batch.is_decode_only:
-            bs = next((s for s in self.decode_sizes if s >= n), None)
-            return GraphShape(bs, bs, True) if bs is not None else None
-        if batch.num_decodes or batch.prompt_logprob_rows or len(batch.seq_lens) > PREFILL_GRAPH_SEQS:
-            return None
-        t = next((t for t in self.prefill_sizes if t >= n), None)
-        return GraphShape(t, PREFILL_GRAPH_SEQS, False) if t is not None else None
-
     def can_run(self, batch: HostBatch) -> bool:
-        return self._shape_for(batch) is not None
+        return graph_shape(batch, self.decode_sizes, self.prefill_sizes) is not None
 
     def run(self, batch: HostBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the batch's logits rows (every row of a decode step, in order); `input_ids` (on the device)
         replace the batch's leading ones."""
-        shape = self._shape_for(batch)
+        shape = graph_shape(batch, self.decode_sizes, self.prefill_sizes)
         n, t, s, b = batch.num_tokens, shape.num_tokens, shape.num_seqs, len(batch.seq_lens)
         turn, self._turn = self._turn, 1 - self._turn
         self._copied[turn].synchronize()  # long done: the step that last used this buffer has been collected
