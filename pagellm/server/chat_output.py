@@ -19,6 +19,7 @@ from pagellm.server.tool_parsers import (
     Qwen3ReasoningParser,
     ToolCall,
     json_value_end,
+    skip,
     streamed_call_sequence,
 )
 
@@ -59,11 +60,11 @@ class ChatOutputRules:
         reasoning, content = self.reasoning_parser.split_streaming(text) if self.reasoning_parser else ("", text)
         if self.tool_mode == "auto":
             return reasoning, content[: self.tool_parser.streamable(content)], self.tool_parser.streaming_calls(content)
-        start = len(content) - len(content.lstrip(WHITESPACE))
+        start = skip(content, 0, WHITESPACE)
         if self.tool_mode == "required":  # [{"name": ..., "parameters": {...}}, ...]
             if not content.startswith("[", start):
                 return reasoning, "", []
-            first = start + 1 + len(content[start + 1 :]) - len(content[start + 1 :].lstrip(WHITESPACE))
+            first = skip(content, start + 1, WHITESPACE)
             return reasoning, "", streamed_call_sequence(content, first, WHITESPACE + ",")
         if self.tool_mode == "named":  # the arguments object itself
             if not content.startswith("{", start):

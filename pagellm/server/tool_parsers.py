@@ -77,7 +77,7 @@ def streamed_call(text: str, pos: int) -> tuple[PartialCall | None, int | None]:
     arguments_end = json_value_end(text, head.end())
     if arguments_end is None:
         return PartialCall(name, text[head.end() :], False), None
-    close = _skip(text, arguments_end, WHITESPACE)
+    close = skip(text, arguments_end, WHITESPACE)
     end = close + 1 if close < len(text) and text[close] == "}" else None
     return PartialCall(name, text[head.end() : arguments_end], True), end
 
@@ -92,7 +92,7 @@ def streamed_call_sequence(text: str, pos: int, separators: str) -> list[Partial
         calls.append(call)
         if end is None:
             break
-        pos = _skip(text, end, separators)
+        pos = skip(text, end, separators)
     return calls
 
 
@@ -141,7 +141,7 @@ class HermesToolParser:
     def streaming_calls(self, text: str) -> list[PartialCall]:
         calls = []
         for marker in re.finditer(re.escape(self.START), text):
-            call, _ = streamed_call(text, _skip(text, marker.end(), WHITESPACE))
+            call, _ = streamed_call(text, skip(text, marker.end(), WHITESPACE))
             if call is None:
                 break
             calls.append(call)
@@ -164,7 +164,7 @@ class Llama3JsonToolParser:
             while pos < len(body):
                 obj, pos = decoder.raw_decode(body, pos)
                 calls.append(_call(obj, "parameters"))
-                pos = _skip(body, pos, " \n\t;")
+                pos = skip(body, pos, " \n\t;")
         except ValueError:
             return text, []
         return None, calls
@@ -176,9 +176,9 @@ class Llama3JsonToolParser:
         return len(text)
 
     def streaming_calls(self, text: str) -> list[PartialCall]:
-        pos = _skip(text, 0, WHITESPACE)
+        pos = skip(text, 0, WHITESPACE)
         if text.startswith(self.TAG, pos):
-            pos = _skip(text, pos + len(self.TAG), WHITESPACE)
+            pos = skip(text, pos + len(self.TAG), WHITESPACE)
         return streamed_call_sequence(text, pos, WHITESPACE + ";")
 
 
@@ -229,7 +229,7 @@ def _python_calls(body: str) -> list[ToolCall] | None:
 TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, PythonicToolParser)}
 
 
-def _skip(text: str, pos: int, chars: str) -> int:
+def skip(text: str, pos: int, chars: str) -> int:
     while pos < len(text) and text[pos] in chars:
         pos += 1
     return pos
