@@ -230,6 +230,7 @@ TOOL_PARSERS = {p.name: p for p in (HermesToolParser, Llama3JsonToolParser, Pyth
 
 
 def skip(text: str, pos: int, chars: str) -> int:
+    """The index of the first character from `pos` on that is not one of `chars`."""
     while pos < len(text) and text[pos] in chars:
         pos += 1
     return pos
