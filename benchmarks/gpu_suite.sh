@@ -3,6 +3,7 @@
 #   bash benchmarks/gpu_suite.sh engine      # GPU tests, step profiles, latency
 #   bash benchmarks/gpu_suite.sh throughput  # offline throughput vs HF (both shapes), kernel benchmarks
 #   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus
+#   bash benchmarks/gpu_suite.sh serving  # Poisson clients against pagellm serve and vLLM's server (see below)
 #   bash benchmarks/gpu_suite.sh perplexity  # INT8 vs bf16 KV perplexity of SmolLM2 on the GPU (see below)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -60,4 +61,21 @@ for f in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_
     shutil.copy(f"/tmp/s15m/{f}", out)
 PY
  ;;
+serving)
+  # SmolLM2-1.7B's shapes with SmolLM2's tokenizer (dummy weights: the servers need a tokenizer to stream text). Here:
+  #   .venv/bin/python -c 'import json, os; from transformers import AutoConfig, AutoTokenizer
+  #   from pagellm.model.loader import default_model; g = default_model(); d, f = os.path.split(g)
+  #   AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(".devcarry/smollm2-1.7b")
+  #   c = AutoConfig.from_pretrained(d, gguf_file=f).to_dict(); c.update(architectures=["LlamaForCausalLM"],
+  #   hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
+  #   num_hidden_layers=24, head_dim=64, torch_dtype="bfloat16")
+  #   json.dump(c, open(".devcarry/smollm2-1.7b/config.json", "w"))'
+  # and carry .devcarry/smollm2-1.7b; vLLM runs when the peers' bundle is installed (/tmp/site).
+  for engine in pagellm vllm; do
+    [ $engine = vllm ] && [ ! -d /tmp/site/vllm ] && { echo "vllm: the bundle is not installed"; continue; }
+    PYTHONPATH=$PWD$([ $engine = vllm ] && echo :/tmp/site) timeout 280 python3 benchmarks/serving.py \
+      --serve $engine --model .devcarry/smollm2-1.7b --load-format dummy --rates 4 16 64 --num-requests 256 \
+      --max-token-id 49152 --server-log "$OUT/server-$engine.log" 2>&1 | tail -6
+  done
+  bundle ;;
 esac
