@@ -70,10 +70,16 @@ serving)
   #   hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=32,
   #   num_hidden_layers=24, head_dim=64, torch_dtype="bfloat16")
   #   json.dump(c, open(".devcarry/smollm2-1.7b/config.json", "w"))'
-  # and carry .devcarry/smollm2-1.7b; vLLM runs when the peers' bundle is installed (/tmp/site).
+  # and carry .devcarry/smollm2-1.7b. The GPU image lacks the servers' packages: carry .devcarry/whl-serve, made with
+  #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  #     --platform manylinux2014_x86_64 -d .devcarry/whl-serve uvicorn fastapi==0.136.3 starlette==1.10.0 \
+  #     pydantic==2.14.4 pydantic-core==2.50.5 annotated-types typing-inspection \
+  #     prometheus_fastapi_instrumentator watchfiles jmespath model_hosting_container_standards==0.1.16 supervisor
+  # (the last five for vLLM's server). vLLM runs when the peers' bundle is installed (/tmp/site).
+  python3 -m pip install -q --no-deps --target /tmp/serve-deps .devcarry/whl-serve/*.whl
   for engine in pagellm vllm; do
     [ $engine = vllm ] && [ ! -d /tmp/site/vllm ] && { echo "vllm: the bundle is not installed"; continue; }
-    PYTHONPATH=$PWD$([ $engine = vllm ] && echo :/tmp/site) timeout 280 python3 benchmarks/serving.py \
+    PYTHONPATH=$PWD$([ $engine = vllm ] && echo :/tmp/site):/tmp/serve-deps timeout 280 python3 benchmarks/serving.py \
       --serve $engine --model .devcarry/smollm2-1.7b --load-format dummy --rates 4 16 64 --num-requests 256 \
       --max-token-id 49152 --server-log "$OUT/server-$engine.log" 2>&1 | tail -6
   done

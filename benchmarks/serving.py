@@ -124,17 +124,17 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def start_server(engine: str, args: argparse.Namespace) -> subprocess.Popen:
-    """`pagellm serve` or vLLM's OpenAI server on args.model, once its /health answers."""
+def start_server(engine: str, args: argparse.Namespace, log) -> subprocess.Popen:
+    """`pagellm serve` or vLLM's OpenAI server on args.model, writing to `log`, once its /health answers."""
     common = ["--model", args.model, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
     common += ["--load-format", args.load_format]
     if engine == "pagellm":
         cmd = [sys.executable, "-m", "pagellm.cli", "serve", *common]
-        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+        path = [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
     else:  # vLLM at its defaults; FlashInfer's sampler off, as the peers' bundle runs it
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *common]
         env = {**os.environ, "VLLM_USE_FLASHINFER_SAMPLER": "0", "VLLM_NO_USAGE_STATS": "1"}
-    log = open(args.server_log or os.devnull, "w")  # the server's for its lifetime
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.time() + args.start_timeout
     while time.time() < deadline:
@@ -171,15 +171,16 @@ def main() -> None:
     if args.serve and (args.url or not args.model):
         parser.error("--serve takes --model, and no --url (it serves on --port)")
     args.url = args.url or f"http://127.0.0.1:{args.port}"
-    server = start_server(args.serve, args) if args.serve else None
-    try:
-        model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-        requests = sharegpt_like(args.num_requests, args.seed, args.max_input, args.max_output, args.max_token_id)
-        rows = [asyncio.run(run_rate(args.url, model, rate, requests, args.seed)) for rate in args.rates]
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
+    with open(args.server_log or os.devnull, "w") as log:
+        server = start_server(args.serve, args, log) if args.serve else None
+        try:
+            model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
+            requests = sharegpt_like(args.num_requests, args.seed, args.max_input, args.max_output, args.max_token_id)
+            rows = [asyncio.run(run_rate(args.url, model, rate, requests, args.seed)) for rate in args.rates]
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=60)
     columns = [
         "rate",
         "req_per_s",

@@ -1,16 +1,23 @@
-"""Triton: y = x @ W^T for one row x (batch-1 decode), W [N, K] in nn.Linear's row-major layout.
+"""Triton: y = x @ W^T for the few rows of a decode step, W [N, K] in nn.Linear's row-major layout.
 
-Batch-1 decode streams every weight once per token, so its matmuls are bandwidth-bound matrix-vector products.
-Each program reads BLOCK_N whole rows of W in BLOCK_K-wide tiles (contiguous, pipelined loads) and reduces them
-against x in fp32. With many small programs the whole GPU keeps loads in flight; cuBLAS, given one row, falls well
-short of HBM bandwidth, most on small projections (benchmarks/results/kernels-2026-12-02).
+Decode steps stream every weight once per step, so their matmuls are bandwidth-bound. cuBLAS, given one row or a
+few, falls well short of HBM bandwidth, most on small projections (benchmarks/results/kernels-2026-12-02 and
+matmul-sweep-2026-12-04). Both kernels here spread the weight over many small programs, each reading BLOCK_N whole
+rows of W in BLOCK_K-wide tiles (contiguous, pipelined loads), so the whole GPU keeps loads in flight:
+
+- `gemv`, one row: multiply-adds into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the end;
+- `few_rows_matmul`, up to FEW_ROWS rows: tensor-core dots of the rows (padded to 16) against each weight tile.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+FEW_ROWS = 16  # the most rows `few_rows_matmul` serves faster than cuBLAS (H200 sweep of 2026-12-04)
 
 
 @triton.jit
@@ -27,29 +34,108 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages): the best of a sweep on the H200 over Llama-3.1-8B and Qwen3
-    shapes (weights L2-resident in that sweep, so its ranking, not its absolute times, carries over)."""
+@triton.jit
+def _few_rows_kernel(
+    x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
+    PRECISION: tl.constexpr,
+):  # fmt: skip
+    """SWAP_AB computes out^T = W x^T, making the weight tile the dot's first operand."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    tokens = tl.arange(0, BLOCK_M)
+    r_mask, t_mask = rows < N, tokens < M
+    acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        c_mask = cols < K
+        w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+        x_mask = t_mask[:, None] & c_mask[None, :]
+        x = tl.load(x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=x_mask, other=0.0)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(x), input_precision=PRECISION)
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+    out = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
+    mask = t_mask[:, None] & r_mask[None, :]
+    tl.store(out_ptr + tokens[:, None] * stride_out + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+class Tiles(NamedTuple):
+    """One launch configuration: rows of W per program, tile width, warps, pipelining depth (and, for
+    `few_rows_matmul`, whether the weight is the dot's first operand)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    swap_ab: bool = False
+
+
+def gemv_tiles(n: int, k: int) -> Tiles:
+    """The best of a sweep on the H200 over Llama-3.1-8B and Qwen3 shapes (weights L2-resident in that sweep, so
+    its ranking, not its absolute times, carries over)."""
     if n > 16384:
-        return 16, 256, 4, 3
-    return 8, 512, 8 if k > 8192 else 4, 4
+        return Tiles(16, 256, 4, 3)
+    return Tiles(8, 512, 8 if k > 8192 else 4, 4)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def few_rows_tiles(n: int) -> Tiles:
+    """By the weight's rows, the best (or within 2% of it) of benchmarks/matmul_sweep.py on the H200 for each of
+    Llama-3.1-8B's and Qwen3-0.6B's shapes at 16 rows: narrow row tiles where few rows would leave SMs idle."""
+    if n <= 2048:
+        return Tiles(16, 512, 4, 3)
+    if n <= 4096:
+        return Tiles(32, 256, 4, 4, swap_ab=True)
+    if n < 16384:
+        return Tiles(64, 256, 4, 4, swap_ab=True)
+    return Tiles(64, 128, 4, 4, swap_ab=True)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T -> [1, N], in x's dtype."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = gemv_config(n, k)
-    _gemv_kernel[(triton.cdiv(n, block_n),)](
+    t = tiles or gemv_tiles(n, k)
+    _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x,
         weight,
         out,
         n,
         k,
         weight.stride(0),
-        BLOCK_N=block_n,
-        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
-        num_warps=warps,
-        num_stages=stages,
+        BLOCK_N=t.block_n,
+        BLOCK_K=min(t.block_k, triton.next_power_of_2(k)),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return out
+
+
+def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
+    """x [M, K] @ weight[N, K]^T -> [M, N] in x's dtype, for 1 <= M <= FEW_ROWS; `tiles` overrides the launch
+    configuration (benchmarks/matmul_sweep.py sweeps them)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if not 1 <= m <= FEW_ROWS:
+        raise ValueError(f"few_rows_matmul takes 1 to {FEW_ROWS} rows, got {m}")
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    t = tiles or few_rows_tiles(n)
+    _few_rows_kernel[(triton.cdiv(n, t.block_n),)](
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        BLOCK_M=16,  # the tensor cores' smallest row count
+        BLOCK_N=t.block_n,
+        BLOCK_K=min(t.block_k, max(16, triton.next_power_of_2(k))),
+        SWAP_AB=t.swap_ab,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # fp32 exact (no TF32 rounding); half ignores it
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
     return out

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from pagellm.kernels import reference
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
 GROUPED_FUSED_ROWS = 16  # integer weights: rows up to which dequantizing in the matmul beats dequantize + cuBLAS
 FP8_WEIGHT_ONLY_ROWS = 16  # FP8 weights: rows up to which the weight-only matmul beats FP8 x FP8 tensor cores
 
@@ -146,10 +147,12 @@ class TritonOps:
         return self._activation.silu_and_mul(x)
 
     def linear(self, x, weight, bias=None):
-        """One half-precision row (batch-1 decode) goes through the GEMV kernel, which streams the weight faster
-        than cuBLAS does for a single row."""
-        if x.dim() == 2 and x.shape[0] == 1 and bias is None and x.dtype in (torch.float16, torch.bfloat16):
-            return self._gemv.gemv(x.contiguous(), weight)
+        """The half-precision rows of decode steps (up to FEW_ROWS) go through the GEMV kernels, which stream the
+        weight faster than cuBLAS does for a few rows."""
+        if x.dim() == 2 and 0 < x.shape[0] <= self._gemv.FEW_ROWS and bias is None and x.dtype in HALF_DTYPES:
+            if x.shape[0] == 1:
+                return self._gemv.gemv(x.contiguous(), weight)
+            return self._gemv.few_rows_matmul(x.contiguous(), weight)
         return F.linear(x, weight, bias)
 
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):

@@ -12,7 +12,7 @@ from pagellm.kernels import reference
 from pagellm.kernels.activation import silu_and_mul
 from pagellm.kernels.bitmask import apply_token_bitmask
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
-from pagellm.kernels.gemv import gemv
+from pagellm.kernels.gemv import FEW_ROWS, Tiles, few_rows_matmul, gemv
 from pagellm.kernels.kv_write import write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
 from pagellm.kernels.rmsnorm import rms_norm
@@ -245,6 +245,24 @@ def test_gemv(dtype, n, k):
     out = gemv(x, weight)
     assert out.shape == (1, n) and out.dtype == dtype
     assert rel_err(out, x.double() @ weight.double().T) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 3, FEW_ROWS])
+@pytest.mark.parametrize("n,k,tiles", [(37, 300, None), (1000, 64, Tiles(16, 128, 4, 3, swap_ab=True))])
+def test_few_rows_matmul(dtype, m, n, k, tiles):
+    """Ragged rows, columns and tiles, with the weight as either operand of the dot; x a strided view."""
+    gen = torch.Generator().manual_seed(m + n + k)
+    x = torch.randn(m, 2 * k, generator=gen).to(DEVICE, dtype)[:, :k]
+    weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    out = few_rows_matmul(x, weight, tiles)
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out, x.double() @ weight.double().T) < TOL[dtype]
+
+
+def test_few_rows_matmul_rejects_more_rows():
+    with pytest.raises(ValueError, match=f"1 to {FEW_ROWS} rows, got {FEW_ROWS + 1}"):
+        few_rows_matmul(torch.zeros(FEW_ROWS + 1, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
