@@ -34,7 +34,9 @@ def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, B
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_mask)
 
 
-@triton.jit
+# M only masks loads and stores: one compiled variant serves every row count (Triton would otherwise compile apart
+# the counts divisible by 16), so start-up compiles fewer kernels.
+@triton.jit(do_not_specialize=["M"])
 def _few_rows_kernel(
     x_ptr, w_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
