@@ -1,7 +1,9 @@
-"""What sending one step's plain data to the other tensor-parallel ranks costs: `broadcast_object_list` over the
-gloo group (the executor's way, of the step as the executor sends it: no sampling token lists), for decode steps
-of 1 to 256 rows of a 2,048-token context, two ranks on this host; less the barrier that ends each measurement.
-The host work of a step is the budget it comes out of.
+"""What sending one step's plain data to the other tensor-parallel ranks costs, for decode steps of 1 to 256 rows
+of a 2,048-token context (the step as the executor sends it: no sampling token lists), two ranks on this host:
+`broadcast_object_list` over the gloo group against the shared-memory ring of `step_channel` (what the executor
+uses when the ranks share a host). Each is timed as a round trip, the step to rank 1 and a one-byte reply back the
+same way, beside what pickling and unpickling the step cost in one process (the floor of both). The host work of a
+step is the budget this comes out of.
 
     python benchmarks/step_broadcast.py
 """
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 from pagellm.core.step import SamplingRow, SchedulerOutput, StepRow  # noqa: E402
 from pagellm.distributed.executor import free_port, without_sampling_inputs  # noqa: E402
+from pagellm.distributed.step_channel import GlooChannel, ShmChannel  # noqa: E402
 from pagellm.sampling_params import SamplingParams  # noqa: E402
 
 ROWS = (1, 16, 64, 256)
@@ -43,25 +46,40 @@ def decode_step(rows: int) -> SchedulerOutput:
 
 def rank_main(rank: int, init_method: str, results) -> None:
     dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
-    barrier = []
-    for _ in range(REPEATS):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.barrier()
-        barrier.append(time.perf_counter() - start)
+    # Shared memory one way each: rank 0 writes `there` and reads `back`, rank 1 the other way round.
+    mine = ShmChannel(1)
+    names: list = [None, None]
+    dist.all_gather_object(names, mine.name)
+    theirs = ShmChannel(1, names[1 - rank], reader=0)
+    gloo = GlooChannel(dist.group.WORLD)
     for rows in ROWS:
         step = without_sampling_inputs(decode_step(rows))
-        times = []
-        for _ in range(REPEATS):
-            dist.barrier()
-            start = time.perf_counter()
-            message = [step if rank == 0 else None]
-            dist.broadcast_object_list(message, src=0)
-            dist.barrier()  # the receiver has it: the cost includes its unpickling
-            times.append(time.perf_counter() - start)
         if rank == 0:
-            results.put((rows, len(pickle.dumps(step)), statistics.median(times) - statistics.median(barrier)))
+            pickled = median_s(lambda: pickle.loads(pickle.dumps(step, pickle.HIGHEST_PROTOCOL)))
+            over_gloo = median_s(lambda: (gloo.send(step), reply_over_gloo(b"")))
+            over_shm = median_s(lambda: (mine.send(step), theirs.recv()))
+            row = {"rows": rows, "pickled KiB": len(pickle.dumps(step)) / 1024, "pickle + unpickle us": pickled * 1e6}
+            results.put({**row, "gloo round trip us": over_gloo * 1e6, "shm round trip us": over_shm * 1e6})
+        else:
+            median_s(lambda: (gloo.recv(), reply_over_gloo(b".")))
+            median_s(lambda: (theirs.recv(), mine.send(b".")))
+    dist.barrier()
+    theirs.close()
+    mine.close()
     dist.destroy_process_group()
+
+
+def reply_over_gloo(payload: bytes) -> None:
+    dist.broadcast_object_list([payload], src=1)
+
+
+def median_s(fn) -> float:
+    times = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -71,10 +89,9 @@ def main() -> None:
     ranks = [context.Process(target=rank_main, args=(r, init_method, results)) for r in (0, 1)]
     for p in ranks:
         p.start()
-    rows = [results.get() for _ in ROWS]
+    table_rows = [results.get() for _ in ROWS]
     for p in ranks:
         p.join()
-    table_rows = [{"rows": n, "pickled KiB": size / 1024, "broadcast us (median)": t * 1e6} for n, size, t in rows]
     table = markdown_table(table_rows, list(table_rows[0]))
     write_results("step_broadcast", {"environment": environment(), "rows": table_rows}, table)
     print(table)

@@ -207,6 +207,27 @@ def test_a_dead_rank_ends_the_engine_within_seconds(tiny_llama_dir):
     assert proc.wait(timeout=15) != 0
 
 
+IDLE_SCRIPT = """
+import sys, time
+from pagellm import LLM, SamplingParams
+llm = LLM(sys.argv[1], device="cpu", dtype="float32", quiet=True, tensor_parallel_size=2)
+params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+first = llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids
+time.sleep(5)
+print(first == llm.generate([[1, 2, 3]], params, use_tqdm=False)[0].outputs[0].token_ids)
+"""
+
+
+def test_ranks_wait_out_an_idle_engine(tiny_llama_dir):
+    """Idle for longer than the collective timeout (3 s here): the other ranks' wait for the next step is no
+    collective, so they are still there for it."""
+    env = {**os.environ, "PAGELLM_COLLECTIVE_TIMEOUT_S": "3"}
+    out = subprocess.run(
+        [sys.executable, "-c", IDLE_SCRIPT, str(tiny_llama_dir)], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL])
 def test_no_rank_outlives_its_engine(tiny_llama_dir, sig):
     proc, worker = start_ranks(tiny_llama_dir)

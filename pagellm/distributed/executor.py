@@ -1,10 +1,11 @@
 """Tensor-parallel execution on one host: rank 0 (the engine's process) and one spawned process per other rank,
 each with its ModelRunner over its share of the model.
 
-Rank 0 stands in for its runner (the same methods): each call is first sent to the other ranks over a gloo group
-(the plain step data of `core/step.py` pickles), then run on every rank at once, so the ranks meet at the same
-collectives in the same order. Only rank 0 samples; it broadcasts the tokens on the device, where a look-ahead
-step's inputs come from, so the other ranks are sent no sampling inputs (the tokens so far that penalties read).
+Rank 0 stands in for its runner (the same methods): each call is first sent to the other ranks (the plain step
+data of `core/step.py` pickles) through a `step_channel` (shared memory when the ranks share rank 0's host, else
+the gloo group), then run on every rank at once, so the ranks meet at the same collectives in the same order. Only
+rank 0 samples; it broadcasts the tokens on the device, where a look-ahead step's inputs come from, so the other
+ranks are sent no sampling inputs (the tokens so far that penalties read).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import signal
 import socket
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,6 +31,7 @@ import torch.multiprocessing as mp
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.core.step import GrammarBitmask, RunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel
+from pagellm.distributed.step_channel import GlooChannel, ShmChannel, StepChannel
 from pagellm.model.loader import load_config_dict
 from pagellm.quantization.config import check_tensor_parallel_quantization, resolve_quantization
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
@@ -38,6 +41,8 @@ logger = logging.getLogger(__name__)
 # A rank that does not answer a collective within this is taken as dead (gloo's default is 30 minutes).
 PR_SET_PDEATHSIG = 1
 COLLECTIVE_TIMEOUT = timedelta(seconds=int(os.environ.get("PAGELLM_COLLECTIVE_TIMEOUT_S", "120")))
+# Over gloo, an idle rank 0 sends a no-op this often, so that the other ranks' wait for the next call never times out.
+KEEPALIVE_S = COLLECTIVE_TIMEOUT.total_seconds() / 4
 
 
 @dataclass
@@ -60,6 +65,11 @@ def launched_by_torchrun() -> bool:
 def local_rank(rank: int) -> int:
     """This rank's GPU on its host."""
     return int(os.environ.get("LOCAL_RANK", rank))
+
+
+def ranks_share_host() -> bool:
+    """Every rank runs on this host: spawned here, or torchrun's ranks all local."""
+    return not launched_by_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
 
 
 def init_ranks(rank: int, size: int, init_method: str, device: torch.device) -> tuple[TensorParallel, Any]:
@@ -91,13 +101,15 @@ class TensorParallelExecutor:
                     f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}"
                 )
             init_method, self.workers = "env://", []
+            shm = ShmChannel(size - 1) if ranks_share_host() else None
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             context = mp.get_context("spawn")
+            shm = ShmChannel(size - 1)
             self.workers = [
                 context.Process(
                     target=run_worker,
-                    args=(rank, size, init_method, model_config, config, model_dir, max_model_len),
+                    args=(rank, size, init_method, model_config, config, model_dir, max_model_len, shm.name),
                     name=f"pagellm-rank{rank}",
                     daemon=True,
                 )
@@ -107,7 +119,7 @@ class TensorParallelExecutor:
             worker.start()
         stopped = threading.Event()
         # The ranks stop with `shutdown`, when this object is collected (`del llm`), or at exit, whichever is first.
-        self._stop = weakref.finalize(self, _stop_ranks, self.workers, stopped)
+        self._stop = weakref.finalize(self, _stop_ranks, self.workers, stopped, shm)
         # What to do when another rank dies: rank 0 would wait in its next collective for COLLECTIVE_TIMEOUT.
         self.on_rank_death: Callable[[str], None] = _exit_on_rank_death
         watch = threading.Thread(
@@ -116,47 +128,72 @@ class TensorParallelExecutor:
         watch.daemon = True
         watch.start()
         self.tp, self.control = init_ranks(0, size, init_method, device)
+        if launched_by_torchrun():  # the other ranks learn the segment's name (or that there is none) here
+            dist.broadcast_object_list([shm.name if shm else None], src=0, group=self.control)
+        self.channel: StepChannel = shm or GlooChannel(self.control)
+        # One call at a time, so a keep-alive never lands between a call's message and the collectives it runs.
+        self._lock = threading.Lock()
         self.runner = ModelRunner(model_config, config, model_dir, max_model_len, self.tp)
         self._launched = 0
+        self._last_send = time.monotonic()
+        if shm is None:
+            keepalive = threading.Thread(
+                target=_keep_alive, args=(weakref.ref(self), stopped), name="pagellm-rank-keepalive", daemon=True
+            )
+            keepalive.start()
 
     @property
     def graphs(self):
         return self.runner.graphs
 
     def _send(self, method: str, *args: Any) -> None:
-        dist.broadcast_object_list([(method, args)], src=0, group=self.control)
+        """Under self._lock."""
+        self.channel.send((method, args))
+        self._last_send = time.monotonic()
+
+    def keep_alive(self) -> None:
+        """A no-op to the other ranks if rank 0 has been quiet for KEEPALIVE_S."""
+        with self._lock:
+            if time.monotonic() - self._last_send >= KEEPALIVE_S:
+                self._send("noop")
 
     def compile_kernels(self) -> None:
-        self._send("compile_kernels")
-        self.runner.compile_kernels()
+        with self._lock:
+            self._send("compile_kernels")
+            self.runner.compile_kernels()
 
     def determine_num_blocks(self) -> int:
-        self._send("determine_num_blocks")
-        return smallest_over_ranks(self.runner.determine_num_blocks(), self.control)
+        with self._lock:
+            self._send("determine_num_blocks")
+            return smallest_over_ranks(self.runner.determine_num_blocks(), self.control)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._send("allocate_kv_cache", num_blocks)
-        self.runner.allocate_kv_cache(num_blocks)
+        with self._lock:
+            self._send("allocate_kv_cache", num_blocks)
+            self.runner.allocate_kv_cache(num_blocks)
 
     def launch(self, step: SchedulerOutput) -> RankLaunched:
-        self._launched += 1
-        self._send("launch", self._launched, without_sampling_inputs(step))
-        return RankLaunched(self._launched, self.runner.launch(step))
+        with self._lock:
+            self._launched += 1
+            self._send("launch", self._launched, without_sampling_inputs(step))
+            return RankLaunched(self._launched, self.runner.launch(step))
 
     def sample_constrained(self, launched: RankLaunched, grammar: GrammarBitmask | None) -> None:
-        self._send("sample_constrained", launched.number, grammar)
-        self.runner.sample_constrained(launched.local, grammar)
+        with self._lock:
+            self._send("sample_constrained", launched.number, grammar)
+            self.runner.sample_constrained(launched.local, grammar)
 
     def collect(self, launched: RankLaunched) -> RunnerOutput:
-        self._send("collect", launched.number)
-        return self.runner.collect(launched.local)
+        with self._lock:
+            self._send("collect", launched.number)
+            return self.runner.collect(launched.local)
 
     def shutdown(self) -> None:
         """Stop the other ranks and leave the process group (idempotent)."""
         self._stop()
 
 
-def _stop_ranks(workers: list, stopped: threading.Event) -> None:
+def _stop_ranks(workers: list, stopped: threading.Event, shm: ShmChannel | None) -> None:
     """The ranks are stopped, not asked to stop: this may run while they wait in a collective that rank 0 left
     (Ctrl-C mid-step), where a message would never be read. Under torchrun the other ranks see the group close."""
     stopped.set()
@@ -166,8 +203,19 @@ def _stop_ranks(workers: list, stopped: threading.Event) -> None:
         worker.join(timeout=10)
         if worker.is_alive():
             worker.kill()
+    if shm is not None:
+        shm.close()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _keep_alive(executor: weakref.ref, stopped: threading.Event) -> None:
+    while not stopped.wait(KEEPALIVE_S / 2):
+        owner = executor()
+        if owner is None:
+            return
+        owner.keep_alive()
+        del owner
 
 
 def _watch_ranks(executor: weakref.ref, workers: list, stopped: threading.Event) -> None:
@@ -213,17 +261,30 @@ def run_worker(
     config: EngineConfig,
     model_dir: Path,
     max_model_len: int,
+    channel_name: str | None = None,
 ) -> None:
-    """Another rank's process: build its runner, then run what rank 0 sends, until rank 0 stops it (or goes)."""
+    """Another rank's process: build its runner, then run what rank 0 sends, until rank 0 stops it (or goes).
+    `channel_name`: the shared-memory channel of a rank 0 that spawned this process; under torchrun rank 0 sends
+    it (or None: gloo) once the group is up."""
     die_with_parent()
+    spawned = channel_name is not None
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     tp, control = init_ranks(rank, size, init_method, config.resolve_device())
+    if not spawned:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=control)
+        channel_name = box[0]
+    channel: StepChannel = (
+        ShmChannel(size - 1, channel_name, reader=rank - 1, shares_tracker=spawned)
+        if channel_name
+        else GlooChannel(control)
+    )
     runner = ModelRunner(model_config, config, model_dir, max_model_len, tp)
     launched: dict[int, LaunchedStep] = {}
     while True:
-        message: list[Any] = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        method, args = message[0]
+        method, args = channel.recv()
+        if method == "noop":
+            continue
         if method == "launch":
             number, step = args
             launched[number] = runner.launch(step)

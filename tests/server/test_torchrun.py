@@ -1,10 +1,13 @@
 """Multi-host tensor parallelism as torchrun starts it: two "nodes" of one rank each rendezvous through env:// on
-127.0.0.1; node 0's rank serves HTTP, node 1's rank runs the worker loop; one request is served end to end."""
+127.0.0.1; node 0's rank serves HTTP, node 1's rank runs the worker loop (its calls come over gloo); a request is
+served end to end, and another after the server idled longer than the collective timeout."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 
 import httpx
 
@@ -19,6 +22,7 @@ def test_two_torchrun_nodes_serve_a_request(tiny_chat_model_dir):
             + ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master)]
             + ["-m", "pagellm.cli", "serve", "--model", str(tiny_chat_model_dir), "--device", "cpu", "--quiet"]
             + ["-tp", "2", "--port", str(port), "--served-model-name", "tiny"],
+            env={**os.environ, "PAGELLM_COLLECTIVE_TIMEOUT_S": "8"},  # idled past below: rank 0 keeps rank 1 waiting
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
@@ -28,8 +32,10 @@ def test_two_torchrun_nodes_serve_a_request(tiny_chat_model_dir):
         url = f"http://127.0.0.1:{port}"
         wait_until_healthy(url, nodes)
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
-        resp = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
-        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
+        for idle_s in (0, 10):
+            time.sleep(idle_s)
+            resp = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+            assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
     finally:
         for node in nodes:
             node.terminate()
