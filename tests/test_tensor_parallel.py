@@ -207,6 +207,20 @@ def test_a_dead_rank_ends_the_engine_within_seconds(tiny_llama_dir):
     assert proc.wait(timeout=15) != 0
 
 
+def test_step_data_over_gloo_where_shared_memory_is_unordered(tiny_llama_dir, monkeypatch):
+    """Rank 0 decides (a CPU without x86-64's store order, here pretended) and the other ranks follow it."""
+    import pagellm.distributed.executor as executor
+
+    shm_tokens, _, shm_llm = run(tiny_llama_dir, 2, PROMPTS, GREEDY)
+    assert isinstance(shm_llm.engine.runner.channel, executor.ShmChannel)
+    shm_llm.shutdown()
+    monkeypatch.setattr(executor, "shared_memory_is_ordered", lambda: False)
+    gloo_tokens, _, gloo_llm = run(tiny_llama_dir, 2, PROMPTS, GREEDY)
+    assert isinstance(gloo_llm.engine.runner.channel, executor.GlooChannel)
+    assert gloo_tokens == shm_tokens
+    gloo_llm.shutdown()
+
+
 IDLE_SCRIPT = """
 import sys, time
 from pagellm import LLM, SamplingParams

@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 from pagellm.config import EngineConfig, ModelConfig
 from pagellm.core.step import GrammarBitmask, RunnerOutput, SchedulerOutput
 from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel
-from pagellm.distributed.step_channel import GlooChannel, ShmChannel, StepChannel
+from pagellm.distributed.step_channel import GlooChannel, ShmChannel, StepChannel, shared_memory_is_ordered
 from pagellm.model.loader import load_config_dict
 from pagellm.quantization.config import check_tensor_parallel_quantization, resolve_quantization
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
@@ -67,9 +67,10 @@ def local_rank(rank: int) -> int:
     return int(os.environ.get("LOCAL_RANK", rank))
 
 
-def ranks_share_host() -> bool:
-    """Every rank runs on this host: spawned here, or torchrun's ranks all local."""
-    return not launched_by_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+def step_data_in_shared_memory() -> bool:
+    """Every rank runs on this host (spawned here, or torchrun's ranks all local), whose stores the ring can use."""
+    same_host = not launched_by_torchrun() or os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+    return same_host and shared_memory_is_ordered()
 
 
 def init_ranks(rank: int, size: int, init_method: str, device: torch.device) -> tuple[TensorParallel, Any]:
@@ -101,15 +102,13 @@ class TensorParallelExecutor:
                     f"tensor_parallel_size={size} but torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']}"
                 )
             init_method, self.workers = "env://", []
-            shm = ShmChannel(size - 1) if ranks_share_host() else None
         else:
             init_method = f"tcp://127.0.0.1:{free_port()}"
             context = mp.get_context("spawn")
-            shm = ShmChannel(size - 1)
             self.workers = [
                 context.Process(
                     target=run_worker,
-                    args=(rank, size, init_method, model_config, config, model_dir, max_model_len, shm.name),
+                    args=(rank, size, init_method, model_config, config, model_dir, max_model_len),
                     name=f"pagellm-rank{rank}",
                     daemon=True,
                 )
@@ -117,6 +116,7 @@ class TensorParallelExecutor:
             ]
         for worker in self.workers:
             worker.start()
+        shm = ShmChannel(size - 1) if step_data_in_shared_memory() else None
         stopped = threading.Event()
         # The ranks stop with `shutdown`, when this object is collected (`del llm`), or at exit, whichever is first.
         self._stop = weakref.finalize(self, _stop_ranks, self.workers, stopped, shm)
@@ -128,8 +128,8 @@ class TensorParallelExecutor:
         watch.daemon = True
         watch.start()
         self.tp, self.control = init_ranks(0, size, init_method, device)
-        if launched_by_torchrun():  # the other ranks learn the segment's name (or that there is none) here
-            dist.broadcast_object_list([shm.name if shm else None], src=0, group=self.control)
+        # The other ranks learn the segment's name, or that there is none (gloo, then).
+        dist.broadcast_object_list([shm.name if shm else None], src=0, group=self.control)
         self.channel: StepChannel = shm or GlooChannel(self.control)
         # One call at a time, so a keep-alive never lands between a call's message and the collectives it runs.
         self._lock = threading.Lock()
@@ -261,23 +261,16 @@ def run_worker(
     config: EngineConfig,
     model_dir: Path,
     max_model_len: int,
-    channel_name: str | None = None,
 ) -> None:
-    """Another rank's process: build its runner, then run what rank 0 sends, until rank 0 stops it (or goes).
-    `channel_name`: the shared-memory channel of a rank 0 that spawned this process; under torchrun rank 0 sends
-    it (or None: gloo) once the group is up."""
+    """Another rank's process: build its runner, then run what rank 0 sends, until rank 0 stops it (or goes)."""
     die_with_parent()
-    spawned = channel_name is not None
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     tp, control = init_ranks(rank, size, init_method, config.resolve_device())
-    if not spawned:
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0, group=control)
-        channel_name = box[0]
+    box: list[Any] = [None]
+    dist.broadcast_object_list(box, src=0, group=control)  # the step channel's segment, or None: gloo
+    spawned = not launched_by_torchrun()  # by rank 0's process, whose resource tracker this one shares
     channel: StepChannel = (
-        ShmChannel(size - 1, channel_name, reader=rank - 1, shares_tracker=spawned)
-        if channel_name
-        else GlooChannel(control)
+        ShmChannel(size - 1, box[0], reader=rank - 1, shares_tracker=spawned) if box[0] else GlooChannel(control)
     )
     runner = ModelRunner(model_config, config, model_dir, max_model_len, tp)
     launched: dict[int, LaunchedStep] = {}

@@ -11,14 +11,15 @@
 - `GlooChannel`, across hosts: `broadcast_object_list` over the gloo group. Gloo times out a receive that waits
   longer than the group's timeout, so the executor sends a no-op when it has been quiet for a while.
 
-Stores and loads are aligned 8-byte NumPy element accesses, each one instruction; x86-64 and AArch64 keep a
-single such store whole, and x86-64's store order makes the payload visible before the entry number that
-announces it.
+Stores and loads are aligned 8-byte NumPy element accesses, each one instruction, which x86-64 keeps whole and in
+program order: a reader that sees an entry number sees the payload written before it. Python has no memory fence
+to give weaker orders (AArch64's) the same guarantee, so elsewhere the ranks use gloo (`shared_memory_is_ordered`).
 """
 
 from __future__ import annotations
 
 import pickle
+import platform
 import time
 import uuid
 from multiprocessing import resource_tracker, shared_memory
@@ -33,6 +34,11 @@ HEADER_WORDS = 3  # entry number, payload bytes in this slot, bytes of the whole
 ACK_STRIDE = 8  # int64 words between two readers' counters: one 64-byte cache line each
 SPIN_S = 0.05  # after a message, poll without sleeping this long: steps come every few milliseconds
 MAX_SLEEP_S = 0.002
+
+
+def shared_memory_is_ordered() -> bool:
+    """Whether this CPU orders plain stores as the ring needs (x86-64's total store order)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
 
 
 class StepChannel(Protocol):
