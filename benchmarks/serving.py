@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TextIO
 
 import httpx
 import numpy as np
@@ -124,7 +125,7 @@ def plot(rows: list[dict], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def start_server(engine: str, args: argparse.Namespace, log) -> subprocess.Popen:
+def start_server(engine: str, args: argparse.Namespace, log: TextIO) -> subprocess.Popen:
     """`pagellm serve` or vLLM's OpenAI server on args.model, writing to `log`, once its /health answers."""
     common = ["--model", args.model, "--port", str(args.port), "--max-model-len", str(args.max_model_len)]
     common += ["--load-format", args.load_format]
