@@ -1,9 +1,9 @@
-"""What sending one step's plain data to the other tensor-parallel ranks costs, for decode steps of 1 to 256 rows
-of a 2,048-token context (the step as the executor sends it: no sampling token lists), two ranks on this host:
-`broadcast_object_list` over the gloo group against the shared-memory ring of `step_channel` (what the executor
-uses when the ranks share a host). Each is timed as a round trip, the step to rank 1 and a one-byte reply back the
-same way, beside what pickling and unpickling the step cost in one process (the floor of both). The host work of a
-step is the budget this comes out of.
+"""What sending one step's plain data to the other tensor-parallel ranks costs, for decode steps of 1 to 256 rows of a
+2,048-token context (the step as the executor sends it: its host batch, built on rank 0, without the sampling rows),
+two ranks on this host: `broadcast_object_list` over the gloo group against the shared-memory ring of `step_channel`
+(what the executor uses when the ranks share a host). Each is timed as a round trip, the step to rank 1 and a
+one-byte reply back the same way, beside what pickling and unpickling the step cost in one process (the floor of
+both). The host work of a step is the budget this comes out of.
 
     python benchmarks/step_broadcast.py
 """
@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 from pagellm.core.step import SamplingRow, SchedulerOutput, StepRow  # noqa: E402
-from pagellm.distributed.executor import free_port, without_sampling_inputs  # noqa: E402
+from pagellm.distributed.executor import for_other_ranks, free_port  # noqa: E402
 from pagellm.distributed.step_channel import GlooChannel, ShmChannel  # noqa: E402
+from pagellm.runner.input_batch import build_host_batch  # noqa: E402
 from pagellm.sampling_params import SamplingParams  # noqa: E402
 
 ROWS = (1, 16, 64, 256)
@@ -53,7 +54,7 @@ def rank_main(rank: int, init_method: str, results) -> None:
     theirs = ShmChannel(1, names[1 - rank], reader=0)
     gloo = GlooChannel(dist.group.WORLD)
     for rows in ROWS:
-        step = without_sampling_inputs(decode_step(rows))
+        step = for_other_ranks(build_host_batch(decode_step(rows), BLOCK))
         if rank == 0:
             pickled = median_s(lambda: pickle.loads(pickle.dumps(step, pickle.HIGHEST_PROTOCOL)))
             over_gloo = median_s(lambda: (gloo.send(step), reply_over_gloo(b"")))

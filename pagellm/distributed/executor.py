@@ -34,6 +34,7 @@ from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel
 from pagellm.distributed.step_channel import GlooChannel, ShmChannel, StepChannel, shared_memory_is_ordered
 from pagellm.model.loader import load_config_dict
 from pagellm.quantization.config import check_tensor_parallel_quantization, resolve_quantization
+from pagellm.runner.input_batch import HostBatch, build_host_batch
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -175,8 +176,9 @@ class TensorParallelExecutor:
     def launch(self, step: SchedulerOutput) -> RankLaunched:
         with self._lock:
             self._launched += 1
-            self._send("launch", self._launched, without_sampling_inputs(step))
-            return RankLaunched(self._launched, self.runner.launch(step))
+            batch = build_host_batch(step, self.runner.block_size)  # built once, here, for every rank
+            self._send("launch", self._launched, for_other_ranks(batch))
+            return RankLaunched(self._launched, self.runner.launch_batch(batch))
 
     def sample_constrained(self, launched: RankLaunched, grammar: GrammarBitmask | None) -> None:
         with self._lock:
@@ -234,16 +236,10 @@ def _exit_on_rank_death(reason: str) -> None:
     os._exit(1)
 
 
-def without_sampling_inputs(step: SchedulerOutput) -> SchedulerOutput:
-    """The step as a rank that does not sample needs it: each sampling row keeps its parameters (whether it waits
-    for a grammar's bitmask) but not its prompt and output token lists, which can be long."""
-    rows = [
-        row
-        if row.sampling is None
-        else replace(row, sampling=replace(row.sampling, prompt_token_ids=[], output_token_ids=[]))
-        for row in step.rows
-    ]
-    return SchedulerOutput(rows)
+def for_other_ranks(batch: HostBatch) -> HostBatch:
+    """The step's inputs as a rank that does not sample needs them: without the sampling rows, whose prompt and
+    output token lists can be long (`constrained` still says whether sampling waits for a grammar's bitmask)."""
+    return replace(batch, sampling_rows=[])
 
 
 def smallest_over_ranks(value: int, group: Any) -> int:
@@ -279,8 +275,8 @@ def run_worker(
         if method == "noop":
             continue
         if method == "launch":
-            number, step = args
-            launched[number] = runner.launch(step)
+            number, batch = args
+            launched[number] = runner.launch_batch(batch)
         elif method == "sample_constrained":
             number, grammar = args
             runner.sample_constrained(launched[number], grammar)

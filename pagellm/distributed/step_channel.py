@@ -1,4 +1,4 @@
-"""How rank 0 sends each call (a pickled step) to the other tensor-parallel ranks.
+"""How rank 0 sends each call (a pickled step's host batch) to the other tensor-parallel ranks.
 
 - `ShmChannel`, when every rank is on rank 0's host: a ring of slots in one POSIX shared-memory segment, with one
   writer (rank 0) and a reader per other rank. A message is pickled into one or more consecutive slots; each slot
@@ -29,7 +29,7 @@ import numpy as np
 import torch.distributed as dist
 
 SLOTS = 16
-SLOT_BYTES = 256 * 1024  # a 256-row decode step pickles to ~20 KiB; larger messages span several slots
+SLOT_BYTES = 256 * 1024  # a 256-row decode step at 2,048 tokens of context pickles to ~141 KiB; more spans slots
 HEADER_WORDS = 3  # entry number, payload bytes in this slot, bytes of the whole message
 ACK_STRIDE = 8  # int64 words between two readers' counters: one 64-byte cache line each
 SPIN_S = 0.05  # after a message, poll without sleeping this long: steps come every few milliseconds

@@ -41,7 +41,8 @@ class HostBatch:
     num_decodes: int
     max_query_len: int
     sampling_ids: list[str]  # the requests that sample a token this step, in logits row order
-    sampling_rows: list[SamplingRow]  # and how
+    sampling_rows: list[SamplingRow]  # and how (empty on tensor-parallel ranks other than 0, which do not sample)
+    constrained: bool = False  # some sampling row has structured outputs: sampling waits for their bitmask
     prompt_logprob_rows: list[PromptLogprobRows] = field(default_factory=list)
     # Requests of the leading rows whose input token the step in flight is sampling (placeholders in input_ids).
     pending_ids: list[str] = field(default_factory=list)
@@ -124,6 +125,7 @@ def build_host_batch(step: SchedulerOutput, block_size: int) -> HostBatch:
         max_query_len=max(r.num_tokens for r in rows),
         sampling_ids=sampling_ids,
         sampling_rows=sampling_rows,
+        constrained=any(row.params.structured_outputs is not None for row in sampling_rows),
         prompt_logprob_rows=prompt_logprob_rows,
         pending_ids=pending_ids,
     )

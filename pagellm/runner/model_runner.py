@@ -267,7 +267,10 @@ class ModelRunner:
         Rows whose input token is still being sampled (asynchronous scheduling) take it from the device, where
         the step launched before this one leaves it. With constrained rows, sampling waits for
         `sample_constrained`."""
-        batch = build_host_batch(step, self.block_size)
+        return self.launch_batch(build_host_batch(step, self.block_size))
+
+    def launch_batch(self, batch: HostBatch) -> LaunchedStep:
+        """`launch` of a step already built (a tensor-parallel rank gets it built by rank 0)."""
         logits = self._forward(batch, self._pending_input_ids(batch), self.kv_caches)
         scored = batch.prompt_logprob_rows if self.tp.rank == 0 else []  # only rank 0's outputs are read
         prompt_scores = [(rows, _score_prompt(logits[rows.rows], rows.targets, rows.top_n)) for rows in scored]
@@ -277,10 +280,10 @@ class ModelRunner:
         self._last_launched = launched
         # Prepared once the forward is enqueued: the host work overlaps the device's.
         inputs = self.sampler.prepare(batch.sampling_rows) if batch.sampling_rows and self.tp.rank == 0 else None
-        if any(row.params.structured_outputs is not None for row in batch.sampling_rows):
-            launched.logits, launched.sampling_inputs = logits[: len(batch.sampling_rows)], inputs
+        if batch.constrained:
+            launched.logits, launched.sampling_inputs = logits[: len(batch.sampling_ids)], inputs
         else:
-            self._sample(launched, logits[: len(batch.sampling_rows)], inputs)
+            self._sample(launched, logits[: len(batch.sampling_ids)], inputs)
         return launched
 
     @torch.inference_mode()
@@ -303,10 +306,10 @@ class ModelRunner:
         if inputs is not None:
             launched.sampled = self.sampler.sample(logits, inputs)
             launched.sampled_host = sampled_to_host_async(launched.sampled)
-        elif batch.sampling_rows:
-            token_ids = torch.empty(len(batch.sampling_rows), dtype=torch.int64, device=self.device)
+        elif batch.sampling_ids:
+            token_ids = torch.empty(len(batch.sampling_ids), dtype=torch.int64, device=self.device)
             launched.sampled = SampledTokens(token_ids, None, [])
-        if batch.sampling_rows and self.tp.size > 1:
+        if batch.sampling_ids and self.tp.size > 1:
             self.tp.broadcast(launched.sampled.token_ids)
         if self.device.type == "cuda":  # marks the end of this step's copies to the host
             launched.copied = torch.cuda.Event()
