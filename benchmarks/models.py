@@ -51,7 +51,9 @@ SHAPES = {
 
 
 def model_dir(name: str) -> str:
-    """A directory holding only the config.json of a named shape."""
+    """A directory holding only the config.json of a named shape (a directory's path is itself)."""
+    if Path(name).is_dir():
+        return name
     path = Path(tempfile.mkdtemp(prefix=f"pagellm-{name}-"))
     (path / "config.json").write_text(json.dumps(SHAPES[name]))
     return str(path)

@@ -4,6 +4,12 @@ operators with the most CPU time of their own.
 
     python benchmarks/profile_step.py --model Qwen3-0.6B --batch 1 --context 128
     python benchmarks/profile_step.py --model Qwen3-0.6B --prefill --context 128   # time to first token
+    python benchmarks/profile_step.py --model DIR --batch 64 --structured --trace trace.json.gz
+
+With --structured every row decodes under a grammar that never ends (JSON-like records, a regex), so a step pays
+for accepting, filling and applying the token bitmask; DIR needs a tokenizer (SmolLM2's config and tokenizer).
+--trace writes the profiled steps as a Chrome trace (host launches and GPU kernels on one timeline: where the
+GPU waits for the host).
 
 With --prefill each profiled step is a whole `LLM.generate` of `--batch` fresh prompts of `--context` tokens and
 one output token (what the peers' first-token figure times).
@@ -27,6 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.models import model_dir  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 
+RECORDS = r'\[(\{"id": [0-9]{1,4}, "label": "[a-z ]{1,12}"\}, )*'  # never complete: rows decode for as long as asked
+
 
 def _sync() -> None:
     if torch.cuda.is_available():
@@ -42,6 +50,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--prefill", action="store_true", help="profile whole first-token requests")
+    parser.add_argument("--structured", action="store_true", help="every row under a never-ending grammar")
+    parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     llm = LLM(
@@ -60,7 +70,14 @@ def main() -> None:
             llm.generate(prompts(), first_token, use_tqdm=False)
 
     else:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=10_000, ignore_eos=True)
+        grammar = {"regex": RECORDS} if args.structured else None
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            max_tokens=10_000,
+            ignore_eos=True,
+            structured_outputs=grammar,
+        )
         for prompt in prompts():
             engine.add_request(prompt, params)
         decoding: set[str] = set()  # requests past their prefill (they have a token)
@@ -79,6 +96,8 @@ def main() -> None:
         for _ in range(args.steps):
             step()
         _sync()
+    if args.trace:
+        prof.export_chrome_trace(args.trace)
     python_profile = cProfile.Profile()  # the host's Python: where its time goes between and inside launches
     python_profile.runcall(lambda: [step() for _ in range(args.steps)])
     _sync()
@@ -100,6 +119,7 @@ def main() -> None:
         "kernels_per_step": launches,
         "tok_s": args.batch / wall_ms * 1e3,
         "prefill": args.prefill,
+        "structured": args.structured,
         "top_kernels": [
             {
                 "name": e.key[:90],
@@ -126,7 +146,8 @@ def main() -> None:
         ],
     }
     print(
-        f"{args.model} batch {args.batch} ctx {args.context}: wall {wall_ms:.3f} ms/step, GPU kernels "
+        f"{args.model} batch {args.batch}{' structured' if args.structured else ''} ctx {args.context}: "
+        f"wall {wall_ms:.3f} ms/step, GPU kernels "
         f"{gpu_ms:.3f} ms/step, {launches:.0f} kernels/step, {result['tok_s']:.0f} tok/s"
     )
     for k in result["top_kernels"]:

@@ -42,6 +42,23 @@ def test_unconstrained_rows_are_untouched_by_constrained_neighbours(tiny_chat_ll
         assert re.fullmatch("[a-z]{3,40}", text) or (mixed[i].outputs[0].finish_reason == "length" and text.isalpha())
 
 
+def test_a_grammar_completed_under_ignore_eos_leaves_the_rest_unconstrained(tiny_chat_llm):
+    """A stop token that ignore_eos lets through completes the grammar, yet the sample goes on: it must run to
+    max_tokens (no mask is asked of a finished grammar, which xgrammar refuses) beside an untouched neighbour."""
+    choice = StructuredOutputsParams(choice=["yes", "no"])
+    params = SamplingParams(temperature=1.0, max_tokens=8, seed=3, ignore_eos=True, structured_outputs=choice)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    alone = tiny_chat_llm.generate([[40, 50]], greedy, use_tqdm=False)[0].outputs[0]
+    constrained, neighbour = (
+        o.outputs[0] for o in tiny_chat_llm.generate([[10, 20], [40, 50]], [params, greedy], use_tqdm=False)
+    )
+    eos = tiny_chat_llm.engine.model_config.eos_token_ids
+    assert len(constrained.token_ids) == 8 and constrained.finish_reason == "length"
+    answer_end = next(i for i, t in enumerate(constrained.token_ids) if t in eos)
+    assert tiny_chat_llm.tokenizer.hf.decode(constrained.token_ids[:answer_end]) in ("yes", "no")
+    assert neighbour.token_ids == alone.token_ids
+
+
 def test_threaded_bitmask_fill_equals_one_row_at_a_time(tiny_chat_llm, monkeypatch):
     """From BATCH_FILL_ROWS constrained rows on, xgrammar's batch fill runs on threads (one thread on a 2-core
     machine: forced to 2 here); the samples are those of the one-by-one fill."""

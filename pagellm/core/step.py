@@ -7,11 +7,13 @@ launched and never written by the runner."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from pagellm.core.request import Request
 from pagellm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 # A scored token: (its logprob, its rank, the top-N [(token, logprob)] of its row).
 TokenScore = tuple[float, int, list[tuple[int, float]]]
@@ -77,7 +79,7 @@ class GrammarBitmask:
     request_ids[i]; bit t % 32 of its int32 word t // 32 is set when token t is allowed."""
 
     request_ids: list[str]
-    bitmask: np.ndarray  # [len(request_ids), ceil(vocab / 32)] int32
+    bitmask: torch.Tensor  # [len(request_ids), ceil(vocab / 32)] int32, on the host (pinned for a GPU)
 
 
 @dataclass

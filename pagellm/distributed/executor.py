@@ -182,7 +182,7 @@ class TensorParallelExecutor:
 
     def sample_constrained(self, launched: RankLaunched, grammar: GrammarBitmask | None) -> None:
         with self._lock:
-            self._send("sample_constrained", launched.number, grammar)
+            self._send("sample_constrained", launched.number, None)  # the other ranks do not sample: no mask
             self.runner.sample_constrained(launched.local, grammar)
 
     def collect(self, launched: RankLaunched) -> RunnerOutput:

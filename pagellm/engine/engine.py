@@ -28,6 +28,9 @@ from pagellm.runner.model_runner import LaunchedStep, ModelRunner
 from pagellm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
+    from pagellm.core.step import GrammarBitmask
     from pagellm.distributed.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
@@ -72,7 +75,9 @@ class Engine:
             config.token_budget,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
-        self.structured_outputs = StructuredOutputs()
+        self.structured_outputs = StructuredOutputs(
+            self.model_config.vocab_size, pin_memory=config.resolve_device().type == "cuda"
+        )
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
 
@@ -143,12 +148,13 @@ class Engine:
             self._in_flight = self._launch(ahead) if ahead is not None else None
         updates = self.scheduler.update_from_output(current.step, self.runner.collect(current.launched))
         self.structured_outputs.accept(updates)
-        # The look-ahead step's constrained rows sample as soon as the grammars have their tokens: the device
-        # waits for nothing else, and the output processing below overlaps that sampling. A row of a request that
-        # the output processor then finds stopped is wasted, like any look-ahead row of a stopped request.
-        if self._in_flight is not None:
-            self._sample_constrained(self._in_flight)
+        # The look-ahead step's constrained rows wait for their bitmask, filled on its own thread while this one
+        # processes the outputs, and sample before the next step is launched. A row of a request that the output
+        # processor finds stopped is wasted, like any look-ahead row of a stopped request.
+        fill = self._start_bitmask(self._in_flight)
         outputs, stopped = self.output_processor.process(updates)
+        if fill is not None:
+            self.runner.sample_constrained(self._in_flight.launched, fill.result())
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_outputs.remove(stopped)
         return outputs
@@ -157,9 +163,15 @@ class Engine:
         return _InFlight(step, self.runner.launch(step))
 
     def _sample_constrained(self, in_flight: _InFlight) -> None:
-        if in_flight.launched.awaits_bitmask:
-            grammar = self.structured_outputs.bitmask(in_flight.step, self.model_config.vocab_size)
-            self.runner.sample_constrained(in_flight.launched, grammar)
+        fill = self._start_bitmask(in_flight)
+        if fill is not None:
+            self.runner.sample_constrained(in_flight.launched, fill.result())
+
+    def _start_bitmask(self, in_flight: _InFlight | None) -> Future[GrammarBitmask | None] | None:
+        """The bitmask of a step whose constrained rows wait for it, being filled; None if it waits for none."""
+        if in_flight is None or not in_flight.launched.awaits_bitmask:
+            return None
+        return self.structured_outputs.start_bitmask(in_flight.step)
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks, if any (they also stop when this process exits)."""

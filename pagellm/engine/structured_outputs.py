@@ -5,7 +5,8 @@ Compiling happens with input processing, on the caller's thread (a bad schema is
 the engine thread never waits for a compile), and compiled grammars are cached by their source. On the engine
 thread, a sample's matcher is advanced by each token the scheduler accepts and nothing else, so it never needs
 rolling back: the bitmask of a look-ahead step is filled once the step before it has come back (while the
-look-ahead step's forward pass runs on the device).
+look-ahead step's forward pass runs on the device), on a thread of its own, so that the engine thread processes
+the step's outputs meanwhile.
 """
 
 from __future__ import annotations
@@ -15,7 +16,10 @@ import logging
 import os
 import re
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from pagellm.core.step import GrammarBitmask, RequestUpdate, SchedulerOutput
 from pagellm.errors import InvalidParameter
@@ -37,8 +41,8 @@ UNSUPPORTED_SCHEMA_KEYWORDS = (
 )
 MAX_WHITESPACE = 20  # JSON: the longest whitespace run allowed between tokens (no endless runs of spaces)
 _CACHE_SIZE = 256
-# From this many constrained rows on, the bitmask is filled on several threads (xgrammar's fill holds the GIL one
-# row at a time, its batch fill releases it): the fill sits between a step's tokens and the next step's sampling.
+# xgrammar's batch fill releases the GIL (its one-matcher fill does not), so it runs beside the engine thread; from
+# this many constrained rows on it uses several threads, below it one (starting threads costs ~1 ms a call).
 BATCH_FILL_ROWS = 48
 FILL_THREADS = min(8, (os.cpu_count() or 1) // 2)
 
@@ -173,9 +177,16 @@ def _xgrammar_message(exc: RuntimeError) -> str:
 class StructuredOutputs:
     """The engine thread's side: a matcher per constrained sample, advanced by the tokens it is given."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int, pin_memory: bool) -> None:
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
-        self._batch_matcher: xgrammar.BatchGrammarMatcher | None = None
+        self._fillers: dict[int, xgrammar.BatchGrammarMatcher] = {}  # by thread count
+        self._fill_thread: ThreadPoolExecutor | None = None
+        self._words = (vocab_size + 31) // 32
+        self._pin_memory = pin_memory
+        # One bitmask buffer for every step: a step's mask is filled only after the tokens of the step before it
+        # came back, and those were sampled after that step's mask had been copied to the device. Pinned for the
+        # GPU; allocating (and pinning) a fresh mask each step took ~1 ms of host time per step on the H200 host.
+        self._buffer = torch.empty((0, self._words), dtype=torch.int32)
 
     def add(self, request_id: str, grammar: xgrammar.CompiledGrammar) -> None:
         import xgrammar
@@ -187,7 +198,9 @@ class StructuredOutputs:
             self._matchers.pop(request_id, None)
 
     def accept(self, updates: list[RequestUpdate]) -> None:
-        """Advance the matchers by the step's new tokens; forget the samples that finished."""
+        """Advance the matchers by the step's new tokens; forget the samples that finished, and those whose grammar
+        is complete although the sample goes on (a stop token under ignore_eos or min_tokens): what they sample
+        after it is unconstrained (as in vLLM), there being nothing left for the grammar to allow."""
         for update in updates:
             matcher = self._matchers.get(update.request_id)
             if matcher is None or update.new_token_id is None:
@@ -198,20 +211,36 @@ class StructuredOutputs:
                 # Only a token the mask allowed can be sampled: a bug, logged; the sample goes on unconstrained.
                 logger.error("request %s: token %d is outside its grammar", update.request_id, update.new_token_id)
                 del self._matchers[update.request_id]
+            elif matcher.is_terminated():
+                del self._matchers[update.request_id]
 
-    def bitmask(self, step: SchedulerOutput, vocab_size: int) -> GrammarBitmask | None:
-        """The allowed tokens of the step's constrained sampling rows, or None when it has none."""
+    def start_bitmask(self, step: SchedulerOutput) -> Future[GrammarBitmask | None]:
+        """The allowed tokens of the step's constrained sampling rows (None when it has none), filled on the fill
+        thread: until its result is taken, no matcher may be advanced or removed."""
         import xgrammar
 
         ids = [row.request_id for row in step.rows if row.sampling is not None and row.request_id in self._matchers]
         if not ids:
-            return None
-        bitmask = xgrammar.allocate_token_bitmask(len(ids), vocab_size)
-        if len(ids) >= BATCH_FILL_ROWS and FILL_THREADS > 1:
-            if self._batch_matcher is None:
-                self._batch_matcher = xgrammar.BatchGrammarMatcher(max_threads=FILL_THREADS)
-            self._batch_matcher.batch_fill_next_token_bitmask([self._matchers[i] for i in ids], bitmask)
-        else:
-            for i, request_id in enumerate(ids):
-                self._matchers[request_id].fill_next_token_bitmask(bitmask, i)
-        return GrammarBitmask(ids, bitmask.numpy())
+            done: Future[GrammarBitmask | None] = Future()
+            done.set_result(None)
+            return done
+        threads = FILL_THREADS if len(ids) >= BATCH_FILL_ROWS else 1
+        if threads not in self._fillers:
+            self._fillers[threads] = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        if self._fill_thread is None:
+            self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-bitmask")
+        matchers = [self._matchers[i] for i in ids]
+        bitmask = self._rows(len(ids))
+
+        def fill() -> GrammarBitmask:
+            self._fillers[threads].batch_fill_next_token_bitmask(matchers, bitmask)  # sets every word of each row
+            return GrammarBitmask(ids, bitmask)
+
+        return self._fill_thread.submit(fill)
+
+    def _rows(self, rows: int) -> torch.Tensor:
+        """The first `rows` rows of the bitmask buffer, grown to a power of two when too small."""
+        if self._buffer.shape[0] < rows:
+            size = 1 << (rows - 1).bit_length()
+            self._buffer = torch.empty((size, self._words), dtype=torch.int32, pin_memory=self._pin_memory)
+        return self._buffer[:rows]

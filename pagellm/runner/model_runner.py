@@ -295,7 +295,7 @@ class ModelRunner:
         if grammar is not None:
             row_of = {request_id: i for i, request_id in enumerate(launched.batch.sampling_ids)}
             rows = torch.tensor([row_of[request_id] for request_id in grammar.request_ids], dtype=torch.int32)
-            bitmask = to_device_async(torch.from_numpy(grammar.bitmask), self.device)
+            bitmask = to_device_async(grammar.bitmask, self.device)
             self.ops.apply_token_bitmask(logits, bitmask, to_device_async(rows, self.device))
         self._sample(launched, logits, inputs)
 
