@@ -9,6 +9,10 @@ GPU time launching some 300 kernels; replayed, it is one launch. The prefill ker
 PREFILL_GRAPH_SEQS sequences of the graph's token count; the sequences a step lacks own no tokens (their query
 range is empty), so their programs return at once, and padding tokens belong to no sequence.
 
+Mixed steps (decodes beside prefill chunks, as nearly every step is when requests keep arriving) replay two
+graphs, a decode graph for the decodes and a prefill graph for the chunks (`split_mixed`), where both fit: the
+weights are read twice, which costs less than the eager step's launches for models of a few billion parameters.
+
 The graphs read their inputs from one device buffer laid out [input_ids | positions | slot_mapping | seq_lens |
 query_start_loc | logits_indices | block_tables]; a pinned host buffer of the same layout is filled each step and
 sent in one copy (the fixed-size head plus the block-table rows in use), instead of one small copy per tensor.
@@ -24,7 +28,7 @@ import torch
 from pagellm.config import cdiv
 from pagellm.model.attention import AttentionMetadata, LayerKVCache
 from pagellm.model.llama import LlamaForCausalLM
-from pagellm.runner.input_batch import HostBatch
+from pagellm.runner.input_batch import HostBatch, split_mixed
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
 PREFILL_GRAPH_SEQS = 4
@@ -55,7 +59,7 @@ class GraphShape:
 
 
 def graph_shape(batch: HostBatch, decode_sizes: list[int], prefill_sizes: list[int]) -> GraphShape | None:
-    """The captured graph a step replays, or None when it runs eagerly."""
+    """The captured graph a step replays, or None when it runs eagerly (or as two graphs: `split_shapes`)."""
     n = batch.num_tokens
     if batch.is_decode_only:
         bs = next((s for s in decode_sizes if s >= n), None)
@@ -64,6 +68,20 @@ def graph_shape(batch: HostBatch, decode_sizes: list[int], prefill_sizes: list[i
         return None
     t = next((t for t in prefill_sizes if t >= n), None)
     return GraphShape(t, PREFILL_GRAPH_SEQS, False) if t is not None else None
+
+
+def split_shapes(
+    batch: HostBatch, decode_sizes: list[int], prefill_sizes: list[int]
+) -> tuple[GraphShape, GraphShape] | None:
+    """The decode and prefill graphs a mixed step replays one after the other, or None."""
+    d = batch.num_decodes
+    if batch.is_decode_only or not d or batch.prompt_logprob_rows or len(batch.seq_lens) - d > PREFILL_GRAPH_SEQS:
+        return None
+    bs = next((s for s in decode_sizes if s >= d), None)
+    t = next((t for t in prefill_sizes if t >= batch.num_tokens - d), None)
+    if bs is None or t is None:
+        return None
+    return GraphShape(bs, bs, True), GraphShape(t, PREFILL_GRAPH_SEQS, False)
 
 
 class StepGraphs:
@@ -100,12 +118,13 @@ class StepGraphs:
         self._tables_offset = sum(_aligned(n * dtype.itemsize) for dtype, n in self._layout)
         # Two pinned host buffers, used in turn: with asynchronous scheduling the next step fills one while the
         # copy out of the other may still be queued behind the step in flight.
+        # A mixed step uses a second pair, for its chunks.
         self._host = [
             torch.zeros(self._tables_offset + seqs * self.width * 4, dtype=torch.uint8, pin_memory=True)
-            for _ in range(2)
+            for _ in range(4)
         ]
         self._host_views = [[t.numpy() for t in self._views(host)] for host in self._host]
-        self._copied = [torch.cuda.Event() for _ in range(2)]
+        self._copied = [torch.cuda.Event() for _ in range(4)]
         self._turn = 0
         self._device = torch.zeros_like(self._host[0], device=device)
         (
@@ -176,17 +195,32 @@ class StepGraphs:
             gc.unfreeze()
 
     def can_run(self, batch: HostBatch) -> bool:
-        return graph_shape(batch, self.decode_sizes, self.prefill_sizes) is not None
+        return (
+            graph_shape(batch, self.decode_sizes, self.prefill_sizes) is not None
+            or split_shapes(batch, self.decode_sizes, self.prefill_sizes) is not None
+        )
 
     def run(self, batch: HostBatch, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits of the batch's logits rows (every row of a decode step, in order); `input_ids` (on the device)
         replace the batch's leading ones."""
-        shape = graph_shape(batch, self.decode_sizes, self.prefill_sizes)
-        n, t, s, b = batch.num_tokens, shape.num_tokens, shape.num_seqs, len(batch.seq_lens)
         turn, self._turn = self._turn, 1 - self._turn
-        self._copied[turn].synchronize()  # long done: the step that last used this buffer has been collected
+        shape = graph_shape(batch, self.decode_sizes, self.prefill_sizes)
+        if shape is not None:
+            return self._replay(batch, shape, turn, input_ids)
+        decode_shape, chunk_shape = split_shapes(batch, self.decode_sizes, self.prefill_sizes)
+        decodes, chunks = split_mixed(batch)
+        # A copy: the chunks' replay reuses the pool's memory, the decode graph's logits included. The decode
+        # graph's rows are the decodes in order, and those that sample lead (a one-token chunk that does not
+        # sample is the step's last row).
+        decode_logits = self._replay(decodes, decode_shape, turn, input_ids)[: len(decodes.logits_indices)].clone()
+        return torch.cat([decode_logits, self._replay(chunks, chunk_shape, 2 + turn, None)])
+
+    def _replay(self, batch: HostBatch, shape: GraphShape, buffer: int, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """Fill host buffer `buffer` with the batch, copy it to the device and replay the shape's graph."""
+        n, t, s, b = batch.num_tokens, shape.num_tokens, shape.num_seqs, len(batch.seq_lens)
+        self._copied[buffer].synchronize()  # long done: the step that last used this buffer has been collected
         host_ids, host_positions, host_slots, host_seq_lens, host_starts, host_rows, host_tables = self._host_views[
-            turn
+            buffer
         ]
         host_ids[:n] = batch.input_ids
         host_positions[:n] = batch.positions
@@ -203,8 +237,8 @@ class StepGraphs:
             host_rows[:rows] = batch.logits_indices
             host_rows[rows:s] = 0
         used = self._tables_offset + s * self.width * 4
-        self._device[:used].copy_(self._host[turn][:used], non_blocking=True)
-        self._copied[turn].record()
+        self._device[:used].copy_(self._host[buffer][:used], non_blocking=True)
+        self._copied[buffer].record()
         if input_ids is not None:
             self.input_ids[: input_ids.shape[0]].copy_(input_ids)
         self.graphs[shape].replay()

@@ -131,6 +131,46 @@ def build_host_batch(step: SchedulerOutput, block_size: int) -> HostBatch:
     )
 
 
+def split_mixed(batch: HostBatch) -> tuple[HostBatch, HostBatch]:
+    """A step of decodes and prefill chunks as two steps, its decodes and its chunks, each a graph can replay
+    (their sequences are distinct, so one after the other computes what the step does). Logits rows: the
+    decodes' sampling rows, then the chunks'. No prompt-logprob rows (scored steps run eagerly)."""
+    if batch.prompt_logprob_rows or not 0 < batch.num_decodes < len(batch.seq_lens):
+        raise ValueError("split_mixed takes a step of decodes and prefill chunks, no prompt-logprob rows")
+    d = batch.num_decodes  # decode sequence i owns token i
+    rows = batch.logits_indices
+    decode_rows, chunk_rows = rows[rows < d], rows[rows >= d] - d
+    k = len(decode_rows)
+    decodes = HostBatch(
+        input_ids=batch.input_ids[:d],
+        positions=batch.positions[:d],
+        slot_mapping=batch.slot_mapping[:d],
+        query_start_loc=batch.query_start_loc[: d + 1],
+        seq_lens=batch.seq_lens[:d],
+        block_tables=batch.block_tables[:d],
+        logits_indices=decode_rows,
+        num_decodes=d,
+        max_query_len=1,
+        sampling_ids=batch.sampling_ids[:k],
+        sampling_rows=batch.sampling_rows[:k],
+        pending_ids=batch.pending_ids,
+    )
+    chunks = HostBatch(
+        input_ids=batch.input_ids[d:],
+        positions=batch.positions[d:],
+        slot_mapping=batch.slot_mapping[d:],
+        query_start_loc=batch.query_start_loc[d:] - d,
+        seq_lens=batch.seq_lens[d:],
+        block_tables=batch.block_tables[d:],
+        logits_indices=chunk_rows,
+        num_decodes=0,
+        max_query_len=batch.max_query_len,
+        sampling_ids=batch.sampling_ids[k:],
+        sampling_rows=batch.sampling_rows[k:],
+    )
+    return decodes, chunks
+
+
 def _block_tables(block_ids: list[list[int]]) -> np.ndarray:
     """Rows padded with zeros, filled in one vectorized assignment (row by row costs microseconds per row)."""
     lens = np.fromiter(map(len, block_ids), dtype=np.int64, count=len(block_ids))

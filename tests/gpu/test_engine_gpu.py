@@ -96,6 +96,34 @@ def test_prefill_graphs_equal_eager(model_dir):
     assert sorted(replayed_prefills) == sorted([5, 16, 17, 100, 128, 255, 256, 256, 88, 45, 245, 11])
 
 
+def test_mixed_steps_replay_two_graphs_as_eager_computes(model_dir):
+    """Prompts of many lengths at once, 256 tokens a step: their chunks run beside the decodes of those started,
+    and such steps (at most four chunks of at most 512 tokens) replay a decode graph and a prefill graph."""
+    kwargs = dict(device="cuda", dtype="bfloat16", quiet=True, max_num_batched_tokens=256, max_num_seqs=24)
+    eager = LLM(str(model_dir), enforce_eager=True, **kwargs)
+    graphs = LLM(str(model_dir), **kwargs)
+    step_graphs = graphs.engine.runner.graphs
+    mixed = []
+    run = step_graphs.run
+
+    def counting_run(batch, input_ids=None):
+        if batch.num_decodes and not batch.is_decode_only:
+            mixed.append(batch.num_decodes)
+        return run(batch, input_ids)
+
+    step_graphs.run = counting_run
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (3, 40, 90, 200, 7, 300, 15, 60) * 2]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
+    got, want = graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        g_lp = [next(iter(d.values())).logprob for d in g.outputs[0].logprobs]
+        w_lp = [next(iter(d.values())).logprob for d in w.outputs[0].logprobs]
+        assert g_lp == pytest.approx(w_lp, abs=0.05)
+    assert len(mixed) >= 3, mixed
+
+
 SERVE_AFTER_START_UP = """
 import sys, torch
 from triton import knobs
