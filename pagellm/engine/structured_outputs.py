@@ -231,12 +231,19 @@ class StructuredOutputs:
             self._fill_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagellm-bitmask")
         matchers = [self._matchers[i] for i in ids]
         bitmask = self._rows(len(ids))
+        started = threading.Event()
 
         def fill() -> GrammarBitmask:
+            started.set()
             self._fillers[threads].batch_fill_next_token_bitmask(matchers, bitmask)  # sets every word of each row
             return GrammarBitmask(ids, bitmask)
 
-        return self._fill_thread.submit(fill)
+        future = self._fill_thread.submit(fill)
+        # The fill thread needs the GIL to reach xgrammar's call (which releases it). Left to itself it would get
+        # it only once this thread blocks on the result (or after the 5 ms switch interval), so the fill would
+        # run after the output processing instead of beside it: wait until it is under way.
+        started.wait()
+        return future
 
     def _rows(self, rows: int) -> torch.Tensor:
         """The first `rows` rows of the bitmask buffer, grown to a power of two when too small."""

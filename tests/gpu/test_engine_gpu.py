@@ -6,12 +6,14 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
 from pagellm.model.loader import DEFAULT_MODEL_PACKAGE, default_model
+from pagellm.runner.input_batch import HostBatch
 
 pytestmark = pytest.mark.gpu
 
@@ -58,23 +60,39 @@ def test_cuda_graphs_equal_eager(model_dir):
     assert tokens(graphs, ps, sampled) == tokens(eager, ps, sampled)
 
 
+def eager_and_graphed(model_dir, record: Callable[[HostBatch], object], **kwargs) -> tuple[LLM, LLM, list]:
+    """An eager LLM and one that replays graphs, built alike; what `record` returns for each batch the second one
+    replays, None aside, is appended to the returned list."""
+    kwargs = dict(device="cuda", dtype="bfloat16", quiet=True, **kwargs)
+    eager, graphed = LLM(str(model_dir), enforce_eager=True, **kwargs), LLM(str(model_dir), **kwargs)
+    step_graphs = graphed.engine.runner.graphs
+    recorded, run = [], step_graphs.run
+
+    def recording_run(batch, input_ids=None):
+        if (value := record(batch)) is not None:
+            recorded.append(value)
+        return run(batch, input_ids)
+
+    step_graphs.run = recording_run
+    return eager, graphed, recorded
+
+
+def assert_same_samples(got: list, want: list) -> None:
+    """Equal tokens, and their logprobs (logprobs=0) equal within bf16's rounding."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for g, w in zip(got, want):
+        g_lp = [next(iter(d.values())).logprob for d in g.outputs[0].logprobs]
+        w_lp = [next(iter(d.values())).logprob for d in w.outputs[0].logprobs]
+        assert g_lp == pytest.approx(w_lp, abs=0.05)
+
+
 def test_prefill_graphs_equal_eager(model_dir):
     """Steps of at most four prefill chunks of at most 512 tokens replay graphs: lone prompts of every bucket,
     several prompts together, a prompt whose prefix is cached and a chunked prompt (its later chunks attend to the
     cache), all as eager mode computes them."""
-    kwargs = dict(device="cuda", dtype="bfloat16", quiet=True, max_num_batched_tokens=256)
-    eager = LLM(str(model_dir), enforce_eager=True, **kwargs)
-    graphs = LLM(str(model_dir), **kwargs)
-    step_graphs = graphs.engine.runner.graphs
-    replayed_prefills = []
-    run = step_graphs.run
-
-    def counting_run(batch, input_ids=None):
-        if not batch.is_decode_only:
-            replayed_prefills.append(batch.num_tokens)
-        return run(batch, input_ids)
-
-    step_graphs.run = counting_run
+    eager, graphs, replayed_prefills = eager_and_graphed(
+        model_dir, lambda batch: None if batch.is_decode_only else batch.num_tokens, max_num_batched_tokens=256
+    )
     gen = torch.Generator().manual_seed(5)
 
     def fresh(*lengths: int) -> list[list[int]]:
@@ -85,12 +103,7 @@ def test_prefill_graphs_equal_eager(model_dir):
     groups = [[p] for p in lone] + [fresh(5, 40), fresh(17, 100, 128), [cached], fresh(3, 4, 5, 6, 7)]
     few = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     for group in groups:
-        got, want = graphs.generate(group, few, use_tqdm=False), eager.generate(group, few, use_tqdm=False)
-        assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-        for g, w in zip(got, want):
-            g_lp = [next(iter(d.values())).logprob for d in g.outputs[0].logprobs]
-            w_lp = [next(iter(d.values())).logprob for d in w.outputs[0].logprobs]
-            assert g_lp == pytest.approx(w_lp, abs=0.05)
+        assert_same_samples(graphs.generate(group, few, use_tqdm=False), eager.generate(group, few, use_tqdm=False))
     # Every lone prompt (the 600-token one in chunks of 256, 256 and 88), the pair, the triple and the cached
     # prompt's 11 new tokens; five prompts together are one sequence too many.
     assert sorted(replayed_prefills) == sorted([5, 16, 17, 100, 128, 255, 256, 256, 88, 45, 245, 11])
@@ -99,28 +112,18 @@ def test_prefill_graphs_equal_eager(model_dir):
 def test_mixed_steps_replay_two_graphs_as_eager_computes(model_dir):
     """Prompts of many lengths at once, 256 tokens a step: their chunks run beside the decodes of those started,
     and such steps (at most four chunks of at most 512 tokens) replay a decode graph and a prefill graph."""
-    kwargs = dict(device="cuda", dtype="bfloat16", quiet=True, max_num_batched_tokens=256, max_num_seqs=24)
-    eager = LLM(str(model_dir), enforce_eager=True, **kwargs)
-    graphs = LLM(str(model_dir), **kwargs)
-    step_graphs = graphs.engine.runner.graphs
-    mixed = []
-    run = step_graphs.run
-
-    def counting_run(batch, input_ids=None):
-        if batch.num_decodes and not batch.is_decode_only:
-            mixed.append(batch.num_decodes)
-        return run(batch, input_ids)
-
-    step_graphs.run = counting_run
+    eager, graphs, mixed = eager_and_graphed(
+        model_dir,
+        lambda batch: batch.num_decodes if batch.num_decodes and not batch.is_decode_only else None,
+        max_num_batched_tokens=256,
+        max_num_seqs=24,
+    )
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (3, 40, 90, 200, 7, 300, 15, 60) * 2]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=0)
-    got, want = graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    for g, w in zip(got, want):
-        g_lp = [next(iter(d.values())).logprob for d in g.outputs[0].logprobs]
-        w_lp = [next(iter(d.values())).logprob for d in w.outputs[0].logprobs]
-        assert g_lp == pytest.approx(w_lp, abs=0.05)
+    assert_same_samples(
+        graphs.generate(prompts, params, use_tqdm=False), eager.generate(prompts, params, use_tqdm=False)
+    )
     assert len(mixed) >= 3, mixed
 
 
