@@ -12,7 +12,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.kernels import DIM, HEADS, paged_cache  # noqa: E402
+from benchmarks.kernel_bench import DIM, HEADS, paged_cache  # noqa: E402
 from pagellm.kernels.decode_attention import paged_decode_attention  # noqa: E402
 
 

@@ -30,7 +30,7 @@ throughput)
   echo "throughput rc=$?"; tail -3 "$OUT/throughput.log"
   timeout 120 python3 benchmarks/throughput.py --models Llama-3.1-8B --hf-requests 8 --hf-batch 8 \
     > "$OUT/throughput-llama.log" 2>&1; echo "throughput rc=$?"; tail -3 "$OUT/throughput-llama.log"
-  timeout 60 python3 benchmarks/kernels.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
+  timeout 60 python3 benchmarks/kernel_bench.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
   bundle ;;
 perplexity)
   # SmolLM2's GGUF (98 MB) is larger than one call may carry (64 MiB), and the GPU machine lacks `gguf`. Here:

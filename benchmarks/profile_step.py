@@ -5,11 +5,16 @@ operators with the most CPU time of their own.
     python benchmarks/profile_step.py --model Qwen3-0.6B --batch 1 --context 128
     python benchmarks/profile_step.py --model Qwen3-0.6B --prefill --context 128   # time to first token
     python benchmarks/profile_step.py --model DIR --batch 64 --structured --trace trace.json.gz
+    python benchmarks/profile_step.py --model DIR --batch 64 --structured --phases
 
-With --structured every row decodes under a grammar that never ends (JSON-like records, a regex), so a step pays
-for accepting, filling and applying the token bitmask; DIR needs a tokenizer (SmolLM2's config and tokenizer).
---trace writes the profiled steps as a Chrome trace (host launches and GPU kernels on one timeline: where the
-GPU waits for the host).
+With --structured every row decodes under a JSON schema that never ends within the run (an array of at least 1,000
+records), so a step pays for accepting, filling and applying the token bitmask; DIR needs a tokenizer (SmolLM2's
+config and tokenizer). --trace writes the profiled steps as a Chrome trace (host launches and GPU kernels on one
+timeline: where the GPU waits for the host).
+
+With --phases nothing is profiled: the engine's own calls inside `Engine.step` are timed (host milliseconds per
+step), for the same batch unconstrained and, with --structured, constrained, alternately `--repeats` times, so
+the constrained rows' cost shows phase by phase (what a structured-outputs change moves).
 
 With --prefill each profiled step is a whole `LLM.generate` of `--batch` fresh prompts of `--context` tokens and
 one output token (what the peers' first-token figure times).
@@ -18,11 +23,15 @@ one output token (what the peers' first-token figure times).
 from __future__ import annotations
 
 import argparse
+import collections
+import concurrent.futures
+import contextlib
 import cProfile
 import json
 import pstats
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,12 +42,107 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.models import model_dir  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 
-RECORDS = r'\[(\{"id": [0-9]{1,4}, "label": "[a-z ]{1,12}"\}, )*'  # never complete: rows decode for as long as asked
+RECORD = {
+    "type": "object",
+    "properties": {
+        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
+        "label": {"type": "string", "maxLength": 12},
+    },
+    "required": ["id", "label"],
+}
+ENDLESS_RECORDS = {"type": "array", "items": RECORD, "minItems": 1000}  # rows decode for as long as asked
 
 
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def timed_calls(calls: dict[str, tuple[object, str]], seconds: dict[str, float]) -> Iterator[None]:
+    """Adds the seconds of every call of each `object.attribute` to `seconds[label]` while inside."""
+    originals = [(obj, name, getattr(obj, name)) for obj, name in calls.values()]
+
+    def timed(label: str, original: Callable) -> Callable:
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                seconds[label] += time.perf_counter() - start
+
+        return call
+
+    for label, (obj, name, original) in zip(calls, originals):
+        setattr(obj, name, timed(label, original))
+    try:
+        yield
+    finally:
+        for obj, name, original in originals:
+            setattr(obj, name, original)
+
+
+def engine_phases(engine) -> dict[str, tuple[object, str]]:
+    """The calls of Engine.step to time, by label; the indented ones run inside those above them."""
+    runner = engine.runner
+    return {
+        "launch (the look-ahead step)": (engine, "_launch"),
+        "  sampler.sample": (runner.sampler, "sample"),
+        "collect (waits for the step's tokens)": (runner, "collect"),
+        "scheduler.update_from_output": (engine.scheduler, "update_from_output"),
+        "grammar accept": (engine.structured_outputs, "accept"),
+        "start the bitmask fill": (engine.structured_outputs, "start_bitmask"),
+        "output processing": (engine.output_processor, "process"),
+        "wait for the fill": (concurrent.futures.Future, "result"),
+        "sample_constrained": (runner, "sample_constrained"),
+        "  apply_token_bitmask": (runner.ops, "apply_token_bitmask"),
+    }
+
+
+def run_phases(llm: LLM, prompts: list[list[int]], args: argparse.Namespace) -> None:
+    """Steady decode of the batch, unconstrained and (with --structured) constrained, each run `--repeats` times
+    alternately: wall and per-phase host ms per step."""
+    engine = llm.engine
+    kinds = ["unconstrained", "constrained"] if args.structured else ["unconstrained"]
+    runs = []
+    for repeat in range(args.repeats):
+        for kind in kinds:
+            params = SamplingParams(
+                temperature=args.temperature,
+                top_p=args.top_p,
+                max_tokens=10_000,
+                ignore_eos=True,
+                structured_outputs={"json": ENDLESS_RECORDS} if kind == "constrained" else None,
+            )
+            request_ids = [engine.add_request(prompt, params) for prompt in prompts]
+            for _ in range(args.warmup):
+                engine.step()
+            seconds: dict[str, float] = collections.defaultdict(float)
+            with timed_calls(engine_phases(engine), seconds):
+                _sync()
+                start = time.perf_counter()
+                for _ in range(args.steps):
+                    engine.step()
+                wall = time.perf_counter() - start
+            runs.append(
+                {"kind": kind, "repeat": repeat, "wall_ms": wall / args.steps * 1e3}
+                | {label: 1e3 * s / args.steps for label, s in seconds.items()}
+            )
+            for request_id in request_ids:
+                engine.abort(request_id)
+            while engine.has_unfinished():
+                engine.step()
+    labels = ["wall_ms"] + list(engine_phases(engine))
+    print(f"{args.model} batch {args.batch}: host ms per step ({args.steps} steps after {args.warmup})")
+    print(f"{'':40s}" + "".join(f"{r['kind'][:13]:>14s}" for r in runs))
+    for label in labels:
+        print(f"{label:40s}" + "".join(f"{r.get(label, 0.0):14.3f}" for r in runs))
+    if args.structured:
+        walls = {kind: [r["wall_ms"] for r in runs if r["kind"] == kind] for kind in kinds}
+        ratios = [u / c for u, c in zip(walls["unconstrained"], walls["constrained"])]
+        print("constrained throughput / unconstrained: " + ", ".join(f"{r:.3f}" for r in ratios))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"model": args.model, "batch": args.batch, "runs": runs}, indent=1))
 
 
 def main() -> None:
@@ -52,6 +156,9 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="profile whole first-token requests")
     parser.add_argument("--structured", action="store_true", help="every row under a never-ending grammar")
     parser.add_argument("--trace", default=None, help="write a Chrome trace of the profiled steps")
+    parser.add_argument("--phases", action="store_true", help="time Engine.step's calls instead of profiling")
+    parser.add_argument("--warmup", type=int, default=30, help="--phases: steps before the timed ones")
+    parser.add_argument("--repeats", type=int, default=2, help="--phases: runs of each kind, alternately")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     llm = LLM(
@@ -63,6 +170,9 @@ def main() -> None:
     def prompts() -> list[list[int]]:
         return [torch.randint(0, 30000, (args.context,), generator=gen).tolist() for _ in range(args.batch)]
 
+    if args.phases:
+        run_phases(llm, prompts(), args)
+        return
     if args.prefill:
         first_token = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=1, ignore_eos=True)
 
@@ -70,7 +180,7 @@ def main() -> None:
             llm.generate(prompts(), first_token, use_tqdm=False)
 
     else:
-        grammar = {"regex": RECORDS} if args.structured else None
+        grammar = {"json": ENDLESS_RECORDS} if args.structured else None
         params = SamplingParams(
             temperature=args.temperature,
             top_p=args.top_p,

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from benchmarks.kernels import bench_ms  # noqa: E402
+from benchmarks.kernel_bench import bench_ms  # noqa: E402
 from pagellm.kernels import reference  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
 from pagellm.kernels.quant_matmul import Tiles, dequantize, fp8_quantize_rows, weight_only_matmul  # noqa: E402

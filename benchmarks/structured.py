@@ -4,9 +4,14 @@ time. Each batch runs --repeats times, interleaved with the others; the medians 
 
     python benchmarks/structured.py                              # CPU: SmolLM2 (the embedded model), batch 16
     python benchmarks/structured.py --model DIR --load-format dummy --batch 64 --device cuda --dtype bfloat16
+    python benchmarks/structured.py --engine vllm --model DIR --load-format dummy --batch 64 --dtype bfloat16
 
 DIR needs a tokenizer (grammars are compiled against its vocabulary): on the GPU, SmolLM2's config and tokenizer
-with dummy weights.
+with dummy weights. Two batches are timed: chat requests for a list of records (outputs end when the model
+closes the list), and "steady": token-id prompts each decoding --steady-tokens tokens under a schema that cannot
+end that soon (an array of at least 1,000 records), so that both runs decode the same steps at a full batch.
+--engine vllm runs the same batches on vLLM (its defaults, xgrammar backend); the compile and fill timings are
+pagellm's own and left out there.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import pagellm  # noqa: E402
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
-from pagellm import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
 
 LABEL = {"type": "string", "maxLength": 12}
 SCHEMA = {  # long outputs: a list of up to 40 records
@@ -42,6 +47,7 @@ SCHEMA = {  # long outputs: a list of up to 40 records
     },
     "required": ["items"],
 }
+ENDLESS_RECORDS = {"type": "array", "items": SCHEMA["properties"]["items"]["items"], "minItems": 1000}
 COMPILE_SCHEMAS = {
     "records (above)": SCHEMA,
     "flat object": {"type": "object", "properties": {"a": LABEL, "b": {"type": "integer"}}, "required": ["a", "b"]},
@@ -79,80 +85,154 @@ def timed_fills() -> list[float]:
     return times
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2")
-    parser.add_argument("--load-format", default="auto")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3, help="runs of each batch, interleaved; medians reported")
-    parser.add_argument("--name", default="structured")
-    args = parser.parse_args()
+def open_engine(args: argparse.Namespace):
+    """The engine's LLM and its SamplingParams and StructuredOutputsParams (vLLM's have the same fields)."""
+    if args.engine == "vllm":
+        import vllm
+        from vllm.sampling_params import StructuredOutputsParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, quiet=True)
+        llm = vllm.LLM(
+            args.model, load_format=args.load_format, dtype=args.dtype, max_num_seqs=args.batch, max_model_len=4096
+        )
+        return llm, vllm.SamplingParams, StructuredOutputsParams
+    llm = pagellm.LLM(args.model, device=args.device, dtype=args.dtype, load_format=args.load_format, quiet=True)
+    return llm, pagellm.SamplingParams, pagellm.StructuredOutputsParams
+
+
+def engine_version(engine: str) -> str:
+    if engine == "vllm":
+        import vllm
+
+        return f"vllm {vllm.__version__}"
+    return "pagellm"
+
+
+def compile_times(llm) -> dict[str, float]:
+    """Milliseconds to compile each schema of COMPILE_SCHEMAS the first time (pagellm's compiler, uncached)."""
     compiler = llm.engine.input_processor.grammar_compiler
-    compiler.compile(StructuredOutputsParams(regex="a"))  # builds the compiler: reads the vocabulary once
+    compiler.compile(pagellm.StructuredOutputsParams(regex="a"))  # builds the compiler: reads the vocabulary once
     compile_ms = {}
     for name, schema in COMPILE_SCHEMAS.items():
         start = time.perf_counter()
-        compiler.compile(StructuredOutputsParams(json=schema))
+        compiler.compile(pagellm.StructuredOutputsParams(json=schema))
         compile_ms[name] = 1e3 * (time.perf_counter() - start)
+    return compile_ms
 
+
+def timed_runs(run, kinds: dict, repeats: int) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Output tokens/s of `run(params)` (which returns its outputs) for each kind's params, from the median of
+    `repeats` runs interleaved so that a slow stretch of the machine hits every kind alike; and the seconds."""
+    seconds: dict[str, list[float]] = {name: [] for name in kinds}
+    tokens: dict[str, int] = {}
+    for _ in range(repeats):
+        for name, params in kinds.items():
+            start = time.perf_counter()
+            outs = run(params)
+            seconds[name].append(time.perf_counter() - start)
+            tokens[name] = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {name: tokens[name] / statistics.median(seconds[name]) for name in kinds}, seconds
+
+
+def records_batch(llm, sampling, structured, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Chat requests for records: constrained, unconstrained to the same lengths, and half of each."""
     messages = [
         [{"role": "user", "content": f"List {i % 7 + 3} things in a room as JSON records."}] for i in range(args.batch)
     ]
     constrained = [
-        SamplingParams(temperature=1.0, seed=i, max_tokens=args.max_tokens, structured_outputs={"json": SCHEMA})
+        sampling(temperature=1.0, seed=i, max_tokens=args.max_tokens, structured_outputs=structured(json=SCHEMA))
         for i in range(args.batch)
     ]
     llm.chat(messages[:2], constrained[:2], use_tqdm=False)  # warm-up
-    fills = timed_fills()
+    fills = timed_fills() if args.engine == "pagellm" else []
     outs = llm.chat(messages, constrained, use_tqdm=False)
-    fill_ms = 1e3 * statistics.median(fills)
     lengths = [len(o.outputs[0].token_ids) for o in outs]
     valid = sum(_is_valid(o.outputs[0].text) for o in outs)
     # The same prompts, each run to its constrained run's length, unconstrained; and half of them constrained,
     # half not (what the unconstrained rows of a mixed batch pay). Each run seeds its samples alike, so the
     # constrained runs repeat the first one's lengths.
-    free = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
+    free = [sampling(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True) for i, n in enumerate(lengths)]
     half = args.batch // 2
-    runs = {"constrained": constrained, "unconstrained": free, "half constrained": constrained[:half] + free[half:]}
+    kinds = {"constrained": constrained, "unconstrained": free, "half constrained": constrained[:half] + free[half:]}
     llm.chat(messages[:2], free[:2], use_tqdm=False)
-    seconds: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(args.repeats):  # interleaved, so that a slow stretch of the machine hits every kind alike
-        for name, params in runs.items():
-            start = time.perf_counter()
-            done = llm.chat(messages, params, use_tqdm=False)
-            seconds[name].append(time.perf_counter() - start)
-            if name == "half constrained":
-                mixed_tokens = sum(len(o.outputs[0].token_ids) for o in done)
-    constrained_s, free_s, mixed_s = (statistics.median(seconds[name]) for name in runs)
-
-    generated = sum(lengths)
+    tok_s, seconds = timed_runs(lambda params: llm.chat(messages, params, use_tqdm=False), kinds, args.repeats)
     row = {
         "batch": args.batch,
-        "output tokens": generated,
+        "output tokens": sum(lengths),
         "schema-valid (the rest cut by max_tokens)": f"{valid}/{args.batch}",
-        "unconstrained tok/s": generated / free_s,
-        "constrained tok/s": generated / constrained_s,
-        "ratio": free_s / constrained_s,
-        "half constrained tok/s": mixed_tokens / mixed_s,
-        "bitmask fill ms/step (median)": fill_ms,
+        "unconstrained tok/s": tok_s["unconstrained"],
+        "constrained tok/s": tok_s["constrained"],
+        "ratio": tok_s["constrained"] / tok_s["unconstrained"],
+        "half constrained tok/s": tok_s["half constrained"],
     }
-    table = markdown_table([row], list(row))
-    table += "\n\nGrammar compile (first time, uncached), ms:\n\n" + markdown_table(
-        [{k: round(v, 2) for k, v in compile_ms.items()}], list(compile_ms)
+    if fills:
+        row["bitmask fill ms/step (median)"] = 1e3 * statistics.median(fills)
+    return row, seconds
+
+
+def steady_batch(llm, sampling, structured, args: argparse.Namespace) -> tuple[dict, dict]:
+    """Token-id prompts each decoding exactly --steady-tokens tokens, under the endless schema or unconstrained."""
+    gen = torch.Generator().manual_seed(0)
+    prompts = [
+        {"prompt_token_ids": torch.randint(100, 30000, (40,), generator=gen).tolist()} for _ in range(args.batch)
+    ]
+    grammar = structured(json=ENDLESS_RECORDS)
+    kinds = {
+        kind: [
+            sampling(temperature=1.0, seed=i, max_tokens=args.steady_tokens, ignore_eos=True, structured_outputs=so)
+            for i in range(args.batch)
+        ]
+        for kind, so in (("constrained", grammar), ("unconstrained", None))
+    }
+    for params in kinds.values():  # warm-up, and a check that every row decodes the whole length
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert all(len(o.outputs[0].token_ids) == args.steady_tokens for o in outs)
+    tok_s, seconds = timed_runs(lambda params: llm.generate(prompts, params, use_tqdm=False), kinds, args.repeats)
+    row = {
+        "batch": args.batch,
+        "output tokens": args.batch * args.steady_tokens,
+        "unconstrained tok/s": tok_s["unconstrained"],
+        "constrained tok/s": tok_s["constrained"],
+        "ratio": tok_s["constrained"] / tok_s["unconstrained"],
+    }
+    return row, seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--engine", choices=["pagellm", "vllm"], default="pagellm")
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 (pagellm only)")
+    parser.add_argument("--load-format", default="auto")
+    parser.add_argument("--device", default="cpu", help="pagellm's device (vLLM's is the GPU)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--steady-tokens", type=int, default=64, help="each row's output length in the steady batch")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of each batch, interleaved; medians reported")
+    parser.add_argument("--name", default="structured")
+    args = parser.parse_args()
+
+    llm, sampling, structured = open_engine(args)
+    compile_ms = compile_times(llm) if args.engine == "pagellm" else {}
+    records, records_seconds = records_batch(llm, sampling, structured, args)
+    steady, steady_seconds = steady_batch(llm, sampling, structured, args)
+    table = "Records (chat, outputs end with the list):\n\n" + markdown_table([records], list(records))
+    table += f"\n\nSteady ({args.steady_tokens} tokens a row, endless schema):\n\n" + markdown_table(
+        [steady], list(steady)
     )
+    if compile_ms:
+        table += "\n\nGrammar compile (first time, uncached), ms:\n\n" + markdown_table(
+            [{k: round(v, 2) for k, v in compile_ms.items()}], list(compile_ms)
+        )
     payload = {
-        "environment": environment() | {"model": args.model or "SmolLM2-135M-Instruct (embedded)"},
+        "environment": environment()
+        | {"engine": engine_version(args.engine), "model": args.model or "SmolLM2-135M-Instruct (embedded)"},
         "args": vars(args),
-        "result": row,
+        "records": records,
+        "steady": steady,
         "compile_ms": compile_ms,
-        "seconds": seconds,
+        "seconds": {"records": records_seconds, "steady": steady_seconds},
     }
-    path = write_results(f"{args.name}-{args.device}", payload, table)
+    path = write_results(f"{args.name}-{args.engine}-{args.device}", payload, table)
     print(table)
     print(f"wrote {path}")
     del llm

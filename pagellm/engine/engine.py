@@ -76,7 +76,9 @@ class Engine:
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         self.structured_outputs = StructuredOutputs(
-            self.model_config.vocab_size, pin_memory=config.resolve_device().type == "cuda"
+            self.model_config.vocab_size,
+            pin_memory=config.resolve_device().type == "cuda",
+            stop_token_ids=set(self.input_processor.grammar_compiler.stop_token_ids),
         )
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet

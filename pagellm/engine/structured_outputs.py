@@ -177,8 +177,10 @@ def _xgrammar_message(exc: RuntimeError) -> str:
 class StructuredOutputs:
     """The engine thread's side: a matcher per constrained sample, advanced by the tokens it is given."""
 
-    def __init__(self, vocab_size: int, pin_memory: bool) -> None:
+    def __init__(self, vocab_size: int, pin_memory: bool, stop_token_ids: set[int]) -> None:
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
+        # A matcher terminates only by accepting one of these (the compiler's), so no other token needs the check.
+        self._stop_token_ids = frozenset(stop_token_ids)
         self._fillers: dict[int, xgrammar.BatchGrammarMatcher] = {}  # by thread count
         self._fill_thread: ThreadPoolExecutor | None = None
         self._words = (vocab_size + 31) // 32
@@ -211,7 +213,7 @@ class StructuredOutputs:
                 # Only a token the mask allowed can be sampled: a bug, logged; the sample goes on unconstrained.
                 logger.error("request %s: token %d is outside its grammar", update.request_id, update.new_token_id)
                 del self._matchers[update.request_id]
-            elif matcher.is_terminated():
+            elif update.new_token_id in self._stop_token_ids and matcher.is_terminated():
                 del self._matchers[update.request_id]
 
     def start_bitmask(self, step: SchedulerOutput) -> Future[GrammarBitmask | None]:

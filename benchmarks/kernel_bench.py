@@ -3,7 +3,7 @@ unpaged K/V and against the bytes it must move / HBM bandwidth; fused add+RMSNor
 bandwidth; the one-row GEMV against cuBLAS (F.linear) and the sampling kernels against torch, both also against
 bandwidth.
 
-    python benchmarks/kernels.py [--bandwidth 4.3e12]
+    python benchmarks/kernel_bench.py [--bandwidth 4.3e12]
 """
 
 from __future__ import annotations
