@@ -11,7 +11,12 @@ with dummy weights. Two batches are timed: chat requests for a list of records (
 closes the list), and "steady": token-id prompts each decoding --steady-tokens tokens under a schema that cannot
 end that soon (an array of at least 1,000 records), so that both runs decode the same steps at a full batch.
 --engine vllm runs the same batches on vLLM (its defaults, xgrammar backend); the compile and fill timings are
-pagellm's own and left out there.
+pagellm's own and left out there. --combine then writes one table of both engines from the same machine:
+
+    python benchmarks/structured.py --combine PAGELLM.json VLLM.json
+
+Only the steady batch compares across engines (the same prompts and lengths); dummy weights differ between
+engines, so the records batch's outputs (and lengths) do, and only its constrained/unconstrained ratio carries.
 """
 
 from __future__ import annotations
@@ -197,6 +202,39 @@ def steady_batch(llm, sampling, structured, args: argparse.Namespace) -> tuple[d
     return row, seconds
 
 
+def results_name(args: argparse.Namespace) -> str:
+    model = Path(args.model).name if args.model else "smollm2"
+    return f"{args.name}-{model}-{args.engine}-{'cuda' if args.engine == 'vllm' else args.device}"
+
+
+def combine(pagellm_json: Path, vllm_json: Path) -> None:
+    """One results file holding both engines' runs of the same batches, and pagellm's ratios to vLLM."""
+    runs = {engine: json.loads(path.read_text()) for engine, path in (("pagellm", pagellm_json), ("vllm", vllm_json))}
+    rows = [
+        {
+            "engine": run["environment"]["engine"],
+            "steady unconstrained tok/s": run["steady"]["unconstrained tok/s"],
+            "steady constrained tok/s": run["steady"]["constrained tok/s"],
+            "steady ratio": run["steady"]["ratio"],
+            "records ratio": run["records"]["ratio"],
+        }
+        for run in runs.values()
+    ]
+    ours, peer = rows
+    rows.append(
+        {"engine": "pagellm / vLLM"}
+        | {key: ours[key] / peer[key] for key in ("steady unconstrained tok/s", "steady constrained tok/s")}
+    )
+    model = Path(runs["pagellm"]["args"]["model"] or "smollm2").name
+    batch, tokens = runs["pagellm"]["args"]["batch"], runs["pagellm"]["args"]["steady_tokens"]
+    table = f"{model}, batch {batch}, steady: {tokens} tokens a row (the same prompts and lengths on both)\n\n"
+    table += markdown_table(rows, list(rows[0]))
+    payload = {"environment": runs["pagellm"]["environment"], "rows": rows, "runs": runs}
+    path = write_results(f"structured-peers-{model}", payload, table)
+    print(table)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--engine", choices=["pagellm", "vllm"], default="pagellm")
@@ -209,7 +247,11 @@ def main() -> None:
     parser.add_argument("--steady-tokens", type=int, default=64, help="each row's output length in the steady batch")
     parser.add_argument("--repeats", type=int, default=3, help="runs of each batch, interleaved; medians reported")
     parser.add_argument("--name", default="structured")
+    parser.add_argument("--combine", nargs=2, type=Path, metavar=("PAGELLM_JSON", "VLLM_JSON"))
     args = parser.parse_args()
+    if args.combine:
+        combine(*args.combine)
+        return
 
     llm, sampling, structured = open_engine(args)
     compile_ms = compile_times(llm) if args.engine == "pagellm" else {}
@@ -232,7 +274,7 @@ def main() -> None:
         "compile_ms": compile_ms,
         "seconds": {"records": records_seconds, "steady": steady_seconds},
     }
-    path = write_results(f"{args.name}-{args.engine}-{args.device}", payload, table)
+    path = write_results(results_name(args), payload, table)
     print(table)
     print(f"wrote {path}")
     del llm
