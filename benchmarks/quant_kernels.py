@@ -41,7 +41,7 @@ FORMATS = ("int4", "fp8")
 
 def tile_grid(fmt: str, m: int) -> list[Tiles]:
     if m == 1:
-        block_k = [128, 256, 512, 1024] if fmt == "int4" else [512, 1024, 2048]
+        block_k = [512, 1024, 2048, 4096] if fmt == "int4" else [512, 1024, 2048]
         block_n = [4, 8, 16, 32] if fmt == "int4" else [4, 8, 16]
         return [Tiles(1, n, k, w, s) for n, k, w, s in itertools.product(block_n, block_k, [4, 8], [2, 4])]
     if m == 16:

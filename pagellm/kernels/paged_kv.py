@@ -27,7 +27,8 @@ def kv_strides(key_cache: torch.Tensor, value_cache: torch.Tensor, key_scale: to
 
 
 def asm_conversions(q: torch.Tensor) -> bool:
-    """Whether INT8 tiles may be converted with inline PTX: on CUDA, not under the Triton interpreter."""
+    """Whether kernels on q may run inline PTX (INT8 conversions, packed INT4 products): on CUDA, not under the
+    Triton interpreter."""
     return q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 

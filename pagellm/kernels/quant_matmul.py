@@ -8,9 +8,11 @@ Two stored formats, both in nn.Linear's [N, K] orientation (rows are output feat
 - **FP8** (e4m3): `weight` [N, K] with one fp32 scale per output row.
 
 `weight_only_matmul` serves the rows of decode steps: one program reads BLOCK_N weight rows once for BLOCK_M
-activation rows (a multiply-add reduction for one row, tensor-core dots for more). Many rows (prefill) go through
-`dequantize` plus cuBLAS for the integers, and FP8 x FP8 `torch._scaled_mm` with per-token activation scales for
-FP8 (`fp8_quantize_rows`).
+activation rows (a multiply-add reduction for one row, tensor-core dots for more). One row of INT4 has a kernel of
+its own that never reorders a weight tile: each word meets its eight x values where it was loaded, two at a time
+in bf16x2 arithmetic on the GPU (1.5x the general GEMV at Llama-3.1-8B's shapes on the H200). Many rows (prefill)
+go through `dequantize` plus cuBLAS for the integers, and FP8 x FP8 `torch._scaled_mm` with per-token activation
+scales for FP8 (`fp8_quantize_rows`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,39 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+
+from pagellm.kernels.paged_kv import asm_conversions
+
+# The products of one int32 word of eight INT4 values (value i at bits [4i, 4i+4)) and its eight bf16 x values,
+# summed in fp32; $1 is the word, $2..$5 the bf16 pairs (x[i], x[i+4]) for i = 0..3. One lop3 puts values i and
+# i+4 into the mantissas of a bf16 pair reading 128 + q (exact); an fma subtracts 128 (exact), a multiply and three
+# fmas sum the four pairs' products in bf16x2 (two values an instruction: the unpacking, not HBM, bounds this
+# kernel), and the pair's two halves are added in fp32.
+_BF16X2_DOT8 = tl.constexpr(
+    """{
+    .reg .b32 t, s, a, one, bias, lo, hi;
+    mov.b32 one, 0x3F803F80;
+    mov.b32 bias, 0xC300C300;
+    lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 t, t, one, bias;
+    mul.rn.bf16x2 a, t, $2;
+    shr.u32 s, $1, 4;
+    lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 t, t, one, bias;
+    fma.rn.bf16x2 a, t, $3, a;
+    shr.u32 s, $1, 8;
+    lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 t, t, one, bias;
+    fma.rn.bf16x2 a, t, $4, a;
+    shr.u32 s, $1, 12;
+    lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
+    fma.rn.bf16x2 t, t, one, bias;
+    fma.rn.bf16x2 a, t, $5, a;
+    shl.b32 lo, a, 16;
+    and.b32 hi, a, 0xFFFF0000;
+    add.f32 $0, lo, hi;
+    }"""
+)
 
 
 @triton.jit
@@ -111,6 +146,72 @@ def _gemv_kernel(
 
 
 @triton.jit
+def _columns4(t):
+    """[W, 4] -> its four columns [W] (splits keep each value in the thread that holds it)."""
+    even, odd = tl.split(tl.reshape(t, (t.shape[0], 2, 2)))  # columns 0, 2 and 1, 3
+    c0, c2 = tl.split(even)
+    c1, c3 = tl.split(odd)
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _int4_pair_products(words, SHIFT: tl.constexpr, x_lo, x_hi):
+    """fp32 products of values SHIFT/4 and SHIFT/4 + 4 of each word with their x columns [W] (broadcast over rows)."""
+    q_lo = _int_to_float((words >> SHIFT) & 15)
+    q_hi = _int_to_float((words >> (SHIFT + 16)) & 15)
+    return q_lo * x_lo[None, :] + q_hi * x_hi[None, :]
+
+
+@triton.jit
+def _int4_gemv_kernel(
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr,
+):  # fmt: skip
+    """One activation row over INT4 words: word w of a row holds columns 8w .. 8w + 7, and its values meet
+    x[8w + i] without being reordered into columns. Per word, sum(q * x) is scaled by its group's scale, and the
+    group's offset meets sum(x) (w = q * scale + offset). PACKED_BF16 (bf16 x, inline PTX allowed) multiplies in
+    bf16x2, else in fp32."""
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    r_mask = rows < N
+    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    for k0 in range(0, K, 8 * WORDS):
+        word_cols = k0 // 8 + tl.arange(0, WORDS)
+        c_mask = word_cols < K // 8
+        mask = r_mask[:, None] & c_mask[None, :]
+        words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
+        x_offs = 8 * word_cols[:, None] + tl.arange(0, 4)[None, :]
+        x_lo = tl.load(x_ptr + x_offs, mask=c_mask[:, None], other=0.0)  # [WORDS, 4]: x[8w + i]
+        x_hi = tl.load(x_ptr + x_offs + 4, mask=c_mask[:, None], other=0.0)  # x[8w + 4 + i]
+        x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
+        if PACKED_BF16:
+            lo = x_lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+            pairs = lo | (x_hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
+            p0, p1, p2, p3 = _columns4(pairs)
+            p0 = tl.broadcast_to(p0[None, :], (BLOCK_N, WORDS))
+            p1 = tl.broadcast_to(p1[None, :], (BLOCK_N, WORDS))
+            p2 = tl.broadcast_to(p2[None, :], (BLOCK_N, WORDS))
+            p3 = tl.broadcast_to(p3[None, :], (BLOCK_N, WORDS))
+            part = tl.inline_asm_elementwise(
+                _BF16X2_DOT8, "=r,r,r,r,r,r", [words, p0, p1, p2, p3], dtype=tl.int32, is_pure=True, pack=1
+            )
+            part = part.to(tl.float32, bitcast=True)
+        else:
+            l0, l1, l2, l3 = _columns4(x_lo.to(tl.float32))
+            h0, h1, h2, h3 = _columns4(x_hi.to(tl.float32))
+            part = _int4_pair_products(words, 0, l0, h0) + _int4_pair_products(words, 4, l1, h1)
+            part += _int4_pair_products(words, 8, l2, h2) + _int4_pair_products(words, 12, l3, h3)
+        groups = rows[:, None] * stride_s + (word_cols // (GROUP // 8))[None, :]
+        scale = tl.load(scale_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        offset = tl.load(offset_ptr + groups, mask=mask, other=0.0).to(tl.float32)
+        acc += part * scale + offset * x_sum[None, :]
+    out = tl.sum(acc, axis=1)
+    if HAS_BIAS:
+        out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows, out.to(out_ptr.dtype.element_ty), mask=r_mask)
+
+
+@triton.jit
 def _tile_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -190,9 +291,10 @@ class Tiles(NamedTuple):
 
 def matmul_tiles(m: int, fp8: bool) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
-    (benchmarks/results/quant-kernels-2026-12-03): narrow row tiles, so even N = 4,096 spreads over every SM."""
-    if m == 1:
-        return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 4, 512, 8, 4)
+    (benchmarks/results/quant-kernels-2026-12-03; one row of INT4: -2026-12-04): narrow row tiles, so even
+    N = 4,096 spreads over every SM."""
+    if m == 1:  # INT4's block_k: 8 x the words of a row per iteration of its own kernel
+        return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 4, 4096, 4, 2)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 3, swap_ab=True)
     return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
@@ -232,6 +334,27 @@ def weight_only_matmul(
         if m != 1:
             raise ValueError(f"one-row tiles (block_m 1) given {m} rows")
         grid = (triton.cdiv(n, t.block_n),)
+        if bits == 4 and group_size % 8 == 0:  # whole words in each group
+            _int4_gemv_kernel[grid](
+                x,
+                weight,
+                scales,
+                offsets,
+                bias,
+                out,
+                n,
+                k,
+                weight.stride(0),
+                scales.stride(0),
+                GROUP=group_size,
+                HAS_BIAS=common["HAS_BIAS"],
+                PACKED_BF16=x.dtype == torch.bfloat16 and asm_conversions(x),
+                BLOCK_N=t.block_n,
+                WORDS=max(t.block_k // 8, 1),
+                num_warps=t.num_warps,
+                num_stages=t.num_stages,
+            )
+            return out
         _gemv_kernel[grid](x, weight, scales, offsets, bias, out, n, k, weight.stride(0), scales.stride(0), **common)
         return out
     _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
