@@ -5,6 +5,7 @@
 #   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus
 #   bash benchmarks/gpu_suite.sh serving  # Poisson clients against pagellm serve and vLLM's server (see below)
 #   bash benchmarks/gpu_suite.sh perplexity  # INT8 vs bf16 KV perplexity of SmolLM2 on the GPU (see below)
+#   bash benchmarks/gpu_suite.sh structured  # JSON-schema decode on pagellm and vLLM, the step's phases (see below)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -82,6 +83,29 @@ serving)
     PYTHONPATH=$PWD$([ $engine = vllm ] && echo :/tmp/site):/tmp/serve-deps timeout 280 python3 benchmarks/serving.py \
       --serve $engine --model .devcarry/smollm2-1.7b --load-format dummy --rates 4 16 64 --num-requests 256 \
       --max-token-id 49152 --server-log "$OUT/server-$engine.log" 2>&1 | tail -6
+  done
+  bundle ;;
+structured)
+  # SmolLM2's tokenizer at 135M's and 1.7B's shapes (.devcarry/smollm2, .devcarry/smollm2-1.7b: see serving), dummy
+  # weights. The GPU image lacks xgrammar and jsonschema: carry .devcarry/whl, made with `pip download` as for
+  # serving, of xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection jsonschema
+  # jsonschema-specifications referencing rpds-py, plus lm-format-enforcer and interegular (vLLM imports them to
+  # validate any structured request). vLLM runs when the peers' bundle is installed (/tmp/site).
+  python3 -m pip install -q --no-deps --target /tmp/structured-deps .devcarry/whl/*.whl
+  for model in smollm2 smollm2-1.7b; do
+    for engine in pagellm vllm; do
+      [ $engine = vllm ] && [ ! -d /tmp/site/vllm ] && { echo "vllm: the bundle is not installed"; continue; }
+      PYTHONPATH=$PWD$([ $engine = vllm ] && echo :/tmp/site):/tmp/structured-deps VLLM_USE_FLASHINFER_SAMPLER=0 \
+        VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
+        timeout 270 python3 benchmarks/structured.py --engine $engine --device cuda --model .devcarry/$model \
+        --load-format dummy --batch 64 --dtype bfloat16 --steady-tokens 256 > "$OUT/structured-$engine-$model.log" 2>&1
+      echo "$engine $model rc=$?"
+    done
+    r=benchmarks/results/structured-$model
+    [ -f $r-vllm-cuda-$(date +%F).json ] && PYTHONPATH=$PWD:/tmp/structured-deps python3 benchmarks/structured.py --combine \
+      $r-pagellm-cuda-$(date +%F).json $r-vllm-cuda-$(date +%F).json | head -8
+    PYTHONPATH=$PWD:/tmp/structured-deps timeout 100 python3 benchmarks/profile_step.py --model .devcarry/$model \
+      --batch 64 --structured --phases --steps 100 --json "$OUT/phases-$model.json" 2>&1 | tail -13
   done
   bundle ;;
 esac
