@@ -7,7 +7,9 @@ fresh Triton caches), against the weight-bandwidth limit.
 
 With --quantization each model runs once per method (dummy weights in that format: `none` is the model's bf16),
 and the limit is the bandwidth over the bytes the loaded model holds (quantized linears, their scales, bf16
-embeddings and norms); kv_cache_tokens shows the KV pool growing by the weight bytes saved.
+embeddings and norms). kv_memory_tokens is what the memory beside the weights holds, which grows by the weight
+bytes a format saves; kv_cache_tokens what the engine allocates of it (at most max_num_seqs full-length sequences:
+64 x 4,096 tokens here).
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ def main() -> None:
                     "quantization": method,
                     "weight_gb": held / 1e9,
                     "kv_cache_tokens": llm.engine.stats().num_blocks * llm.engine.config.block_size,
+                    "kv_memory_tokens": llm.engine.runner.memory_blocks * llm.engine.config.block_size,
                     "b1_tok_s": b1,
                     "b1_limit_tok_s": limit,
                     "b1_%_of_limit": 100 * b1 / limit,
@@ -135,6 +138,7 @@ def main() -> None:
         "quantization",
         "weight_gb",
         "kv_cache_tokens",
+        "kv_memory_tokens",
         "b1_tok_s",
         "b1_limit_tok_s",
         "b1_%_of_limit",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from pagellm import LLM
 from pagellm.cli import build_parser, engine_kwargs
@@ -58,3 +59,12 @@ def test_max_model_len_is_resolved_once_before_the_runner(tiny_llama_dir):
     assert llm.engine.max_model_len == llm.engine.runner.max_model_len == 64
     with pytest.raises(ValueError, match="max_model_len=100 is invalid: the KV cache holds only 64 tokens"):
         LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=4, max_model_len=100, quiet=True)
+
+
+def test_kv_pool_holds_at_most_what_max_num_seqs_can_use(tiny_llama_dir):
+    """The pool allocates at most max_num_seqs full-length sequences of what memory holds (cpu_kv_cache_gib)."""
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=2, quiet=True)
+    engine = llm.engine
+    bytes_per_block = engine.model_config.kv_bytes_per_token(torch.float32) * engine.config.block_size
+    assert engine.runner.memory_blocks == int(engine.config.cpu_kv_cache_gib * 2**30 // bytes_per_block)
+    assert engine.stats().num_blocks == 2 * 64 // engine.config.block_size + 1 < engine.runner.memory_blocks

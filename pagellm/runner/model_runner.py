@@ -114,6 +114,7 @@ class ModelRunner:
         self.sampler = Sampler(engine_config.seed, self.device, self.ops)
         self.kv_caches: list[LayerKVCache] = []
         self.num_blocks = 0
+        self.memory_blocks = 0  # set by determine_num_blocks
         self.graphs: StepGraphs | None = None  # captured once the KV cache exists; warm-ups run eagerly
         self._last_launched: LaunchedStep | None = None  # whose sampled tokens a look-ahead step feeds on
         self._compilation = self._start_compiling()
@@ -124,12 +125,16 @@ class ModelRunner:
     # ---- start-up -------------------------------------------------------------------------------------------
 
     def determine_num_blocks(self) -> int:
+        """The KV blocks to allocate: what the memory budget holds (kept as `memory_blocks`, which grows by the
+        weight bytes a quantized format saves), but no more than `_most_useful_blocks`."""
         cfg = self.engine_config
         blocks = cfg.budgeted_kv_blocks(self.config)
         if blocks is not None:
+            self.memory_blocks = blocks
             return blocks if cfg.num_kv_blocks is not None else min(blocks, self._most_useful_blocks())
         bytes_per_block = self.config.kv_bytes_per_token(self.kv_dtype) * self.block_size
-        blocks = max(1, min(int(self._gpu_kv_budget() // bytes_per_block), self._most_useful_blocks()))
+        self.memory_blocks = max(1, int(self._gpu_kv_budget() // bytes_per_block))
+        blocks = min(self.memory_blocks, self._most_useful_blocks())
         if blocks * self.block_size < self.max_model_len:
             raise ValueError(
                 f"max_model_len={self.max_model_len} does not fit: the KV cache holds "
