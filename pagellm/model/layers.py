@@ -64,8 +64,7 @@ class Linear(nn.Module):
         return slice(None)
 
     def pack_for_cpu(self) -> None:
-        """Store the weight in oneDNN's layout (after loading): fp32 matmuls with few rows stream the weight
-        faster than MKL's sgemm on 2-core CPUs (benchmarks/cpu.py)."""
+        """Store the weight in oneDNN's layout (after loading), which `Ops.linear` then multiplies with oneDNN."""
         weight = self.weight.data
         del self.weight
         self.register_buffer("weight", weight.to_mkldnn())
