@@ -40,17 +40,8 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.models import model_dir  # noqa: E402
+from benchmarks.structured import ENDLESS_RECORDS  # noqa: E402  rows decode for as long as asked
 from pagellm import LLM, SamplingParams  # noqa: E402
-
-RECORD = {
-    "type": "object",
-    "properties": {
-        "id": {"type": "integer", "minimum": 0, "maximum": 9999},
-        "label": {"type": "string", "maxLength": 12},
-    },
-    "required": ["id", "label"],
-}
-ENDLESS_RECORDS = {"type": "array", "items": RECORD, "minItems": 1000}  # rows decode for as long as asked
 
 
 def _sync() -> None:

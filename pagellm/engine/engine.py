@@ -78,7 +78,7 @@ class Engine:
         self.structured_outputs = StructuredOutputs(
             self.model_config.vocab_size,
             pin_memory=config.resolve_device().type == "cuda",
-            stop_token_ids=set(self.input_processor.grammar_compiler.stop_token_ids),
+            stop_token_ids=self.input_processor.grammar_compiler.stop_token_ids,
         )
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet

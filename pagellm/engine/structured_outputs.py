@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import threading
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -177,7 +178,7 @@ def _xgrammar_message(exc: RuntimeError) -> str:
 class StructuredOutputs:
     """The engine thread's side: a matcher per constrained sample, advanced by the tokens it is given."""
 
-    def __init__(self, vocab_size: int, pin_memory: bool, stop_token_ids: set[int]) -> None:
+    def __init__(self, vocab_size: int, pin_memory: bool, stop_token_ids: Iterable[int]) -> None:
         self._matchers: dict[str, xgrammar.GrammarMatcher] = {}
         # A matcher terminates only by accepting one of these (the compiler's), so no other token needs the check.
         self._stop_token_ids = frozenset(stop_token_ids)
