@@ -9,10 +9,11 @@ Two stored formats, both in nn.Linear's [N, K] orientation (rows are output feat
 
 `weight_only_matmul` serves the rows of decode steps: one program reads BLOCK_N weight rows once for BLOCK_M
 activation rows (a multiply-add reduction for one row, tensor-core dots for more). One row of INT4 has a kernel of
-its own that never reorders a weight tile: each word meets its eight x values where it was loaded, two at a time
-in bf16x2 arithmetic on the GPU (1.5x the general GEMV at Llama-3.1-8B's shapes on the H200). Many rows (prefill)
-go through `dequantize` plus cuBLAS for the integers, and FP8 x FP8 `torch._scaled_mm` with per-token activation
-scales for FP8 (`fp8_quantize_rows`).
+its own, in integers: x as two int8 parts per 32 columns, multiplied with each word's eight values where the word
+was loaded by dp4a (four products and their sum an instruction). On Llama-3.1-8B's shapes on the H200 that is
+1.8-2.1x the bf16 GEMV (benchmarks/results/quant-kernels-x16-2026-12-04). Many rows (prefill) go through
+`dequantize` plus cuBLAS for the integers, and FP8 x FP8 `torch._scaled_mm` with per-token activation scales for
+FP8 (`fp8_quantize_rows`).
 """
 
 from __future__ import annotations
@@ -24,37 +25,6 @@ import triton
 import triton.language as tl
 
 from pagellm.kernels.paged_kv import asm_conversions
-
-# The products of one int32 word of eight INT4 values (value i at bits [4i, 4i+4)) and its eight bf16 x values,
-# summed in fp32; $1 is the word, $2..$5 the bf16 pairs (x[i], x[i+4]) for i = 0..3. One lop3 puts values i and
-# i+4 into the mantissas of a bf16 pair reading 128 + q (exact); an fma subtracts 128 (exact), a multiply and three
-# fmas sum the four pairs' products in bf16x2 (two values an instruction: the unpacking, not HBM, bounds this
-# kernel), and the pair's two halves are added in fp32.
-_BF16X2_DOT8 = tl.constexpr(
-    """{
-    .reg .b32 t, s, a, one, bias, lo, hi;
-    mov.b32 one, 0x3F803F80;
-    mov.b32 bias, 0xC300C300;
-    lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xEA;
-    fma.rn.bf16x2 t, t, one, bias;
-    mul.rn.bf16x2 a, t, $2;
-    shr.u32 s, $1, 4;
-    lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
-    fma.rn.bf16x2 t, t, one, bias;
-    fma.rn.bf16x2 a, t, $3, a;
-    shr.u32 s, $1, 8;
-    lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
-    fma.rn.bf16x2 t, t, one, bias;
-    fma.rn.bf16x2 a, t, $4, a;
-    shr.u32 s, $1, 12;
-    lop3.b32 t, s, 0x000F000F, 0x43004300, 0xEA;
-    fma.rn.bf16x2 t, t, one, bias;
-    fma.rn.bf16x2 a, t, $5, a;
-    shl.b32 lo, a, 16;
-    and.b32 hi, a, 0xFFFF0000;
-    add.f32 $0, lo, hi;
-    }"""
-)
 
 
 @triton.jit
@@ -155,56 +125,109 @@ def _columns4(t):
 
 
 @triton.jit
-def _int4_pair_products(words, SHIFT: tl.constexpr, x_lo, x_hi):
-    """fp32 products of values SHIFT/4 and SHIFT/4 + 4 of each word with their x columns [W] (broadcast over rows)."""
-    q_lo = _int_to_float((words >> SHIFT) & 15)
-    q_hi = _int_to_float((words >> (SHIFT + 16)) & 15)
-    return q_lo * x_lo[None, :] + q_hi * x_hi[None, :]
+def _pack_bytes(t):
+    """[W, 4] int32 in [-128, 127] -> [W] int32 holding them as bytes, column j in byte j."""
+    c0, c1, c2, c3 = _columns4(t)
+    return (c0 & 255) | ((c1 & 255) << 8) | ((c2 & 255) << 16) | (c3 << 24)
+
+
+@triton.jit
+def _int4_int8_dot(words, x_even, x_odd):
+    """Twin of the dp4a pair in `_int4_x16_dot`, a product at a time (byte j of x sign-extended by shifting it to
+    the top and back)."""
+    dot = tl.zeros(words.shape, tl.int32)
+    for j in tl.static_range(4):
+        dot += ((words >> (8 * j)) & 15) * ((x_even << (24 - 8 * j)) >> 24)
+        dot += ((words >> (8 * j + 4)) & 15) * ((x_odd << (24 - 8 * j)) >> 24)
+    return dot
+
+
+@triton.jit
+def _int4_x16_dot(words, hi_even, hi_odd, lo_even, lo_odd, ASM: tl.constexpr):
+    """Per int32 word of eight INT4 values (value i at bits [4i, 4i + 4)), sum(q[i] * (254 * hi[i] + lo[i])) in
+    int32, x's two int8 parts packed as bytes: *_even hold values 0, 2, 4, 6 of the word and *_odd the others.
+    Masking the word with 0x0F0F0F0F leaves exactly its even values as bytes, so four dp4a (four products and a
+    sum each) and a multiply-add do it all."""
+    if ASM:
+        dot = tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi, zero, d_hi, d_lo;
+            mov.b32 zero, 0;
+            and.b32 lo, $1, 0x0F0F0F0F;
+            shr.u32 hi, $1, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            dp4a.u32.s32 d_hi, lo, $2, zero;
+            dp4a.u32.s32 d_hi, hi, $3, d_hi;
+            dp4a.u32.s32 d_lo, lo, $4, zero;
+            dp4a.u32.s32 d_lo, hi, $5, d_lo;
+            mad.lo.s32 $0, d_hi, 254, d_lo;
+            }""",
+            "=r,r,r,r,r,r",
+            [words, hi_even, hi_odd, lo_even, lo_odd],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        dot = 254 * _int4_int8_dot(words, hi_even, hi_odd) + _int4_int8_dot(words, lo_even, lo_odd)
+    return dot
+
+
+@triton.jit
+def _round_to_int(v):
+    """fp32 -> nearest int32 (ties to even) for |v| < 2**22: adding 1.5 * 2**23 leaves the integer in the low
+    mantissa bits."""
+    return (v + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def _packed_x_bytes(xq, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """[WORDS * 8] int8 values (int32) in column order -> the [BLOCK_N, WORDS] even and odd byte packs of each
+    word's eight (broadcast over the rows)."""
+    even, odd = tl.split(tl.reshape(xq, (WORDS, 4, 2)))  # [WORDS, 4]: word w's xq[8w + 2i], xq[8w + 2i + 1]
+    even = tl.broadcast_to(_pack_bytes(even)[None, :], (BLOCK_N, WORDS))
+    odd = tl.broadcast_to(_pack_bytes(odd)[None, :], (BLOCK_N, WORDS))
+    return even, odd
 
 
 @triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
-    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, PACKED_BF16: tl.constexpr, BLOCK_N: tl.constexpr,
-    WORDS: tl.constexpr,
+    GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
-    """One activation row over INT4 words: word w of a row holds columns 8w .. 8w + 7, and its values meet
-    x[8w + i] without being reordered into columns. Per word, sum(q * x) is scaled by its group's scale, and the
-    group's offset meets sum(x) (w = q * scale + offset). PACKED_BF16 (bf16 x, inline PTX allowed) multiplies in
-    bf16x2, else in fp32."""
+    """One activation row over INT4 words, in integers. x is taken per 32 columns as 254 * hi + lo: hi its int8
+    rounding (absmax to 127) and lo that rounding's error in 1/254ths, so x keeps ~15 bits against its group's
+    absmax, finer than its own bf16 rounding. Each word's eight values meet both parts in four dp4a; four words'
+    sums make a 32-column integer dot (exact), scaled by x's scale and the weight group's, and the offset term
+    (w = q * scale + offset) meets the exact sum of x's 32 columns. Every program quantizes the x tile it reads
+    (L2 hits, shared by BLOCK_N rows): on the H200 a variant with no x work at all was no faster."""
+    XG: tl.constexpr = WORDS // 4  # 32-column x groups per iteration
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
-    acc = tl.zeros([BLOCK_N, WORDS], tl.float32)
+    acc = tl.zeros([BLOCK_N, XG], tl.float32)
     for k0 in range(0, K, 8 * WORDS):
+        # Every load first, so the scales' and x's round trips overlap the words' instead of following them.
         word_cols = k0 // 8 + tl.arange(0, WORDS)
-        c_mask = word_cols < K // 8
-        mask = r_mask[:, None] & c_mask[None, :]
+        mask = r_mask[:, None] & (word_cols < K // 8)[None, :]
         words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
-        x_offs = 8 * word_cols[:, None] + tl.arange(0, 4)[None, :]
-        x_lo = tl.load(x_ptr + x_offs, mask=c_mask[:, None], other=0.0)  # [WORDS, 4]: x[8w + i]
-        x_hi = tl.load(x_ptr + x_offs + 4, mask=c_mask[:, None], other=0.0)  # x[8w + 4 + i]
-        x_sum = tl.sum(x_lo.to(tl.float32), axis=1) + tl.sum(x_hi.to(tl.float32), axis=1)
-        if PACKED_BF16:
-            lo = x_lo.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-            pairs = lo | (x_hi.to(tl.int16, bitcast=True).to(tl.int32) << 16)
-            p0, p1, p2, p3 = _columns4(pairs)
-            p0 = tl.broadcast_to(p0[None, :], (BLOCK_N, WORDS))
-            p1 = tl.broadcast_to(p1[None, :], (BLOCK_N, WORDS))
-            p2 = tl.broadcast_to(p2[None, :], (BLOCK_N, WORDS))
-            p3 = tl.broadcast_to(p3[None, :], (BLOCK_N, WORDS))
-            part = tl.inline_asm_elementwise(
-                _BF16X2_DOT8, "=r,r,r,r,r,r", [words, p0, p1, p2, p3], dtype=tl.int32, is_pure=True, pack=1
-            )
-            part = part.to(tl.float32, bitcast=True)
-        else:
-            l0, l1, l2, l3 = _columns4(x_lo.to(tl.float32))
-            h0, h1, h2, h3 = _columns4(x_hi.to(tl.float32))
-            part = _int4_pair_products(words, 0, l0, h0) + _int4_pair_products(words, 4, l1, h1)
-            part += _int4_pair_products(words, 8, l2, h2) + _int4_pair_products(words, 12, l3, h3)
-        groups = rows[:, None] * stride_s + (word_cols // (GROUP // 8))[None, :]
-        scale = tl.load(scale_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        offset = tl.load(offset_ptr + groups, mask=mask, other=0.0).to(tl.float32)
-        acc += part * scale + offset * x_sum[None, :]
+        x_groups = k0 // 32 + tl.arange(0, XG)
+        xg_mask = x_groups < K // 32
+        g_mask = r_mask[:, None] & xg_mask[None, :]
+        groups = rows[:, None] * stride_s + (x_groups // (GROUP // 32))[None, :]
+        scale = tl.load(scale_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+        offset = tl.load(offset_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+        x_offs = 32 * x_groups[:, None] + tl.arange(0, 32)[None, :]
+        x = tl.load(x_ptr + x_offs, mask=xg_mask[:, None], other=0.0).to(tl.float32)  # [XG, 32]
+        x_max = tl.max(tl.abs(x), axis=1)
+        v = x * (127.0 / tl.where(x_max > 0, x_max, 1.0))[:, None]  # all-zero groups stay zero
+        hi = _round_to_int(v)
+        lo = _round_to_int((v - hi.to(tl.float32)) * 254.0)  # the rounding error, |v - hi| <= 1/2, to 1/254
+        hi_even, hi_odd = _packed_x_bytes(hi, BLOCK_N, WORDS)
+        lo_even, lo_odd = _packed_x_bytes(lo, BLOCK_N, WORDS)
+        dot = _int4_x16_dot(words, hi_even, hi_odd, lo_even, lo_odd, ASM)
+        dot = tl.sum(tl.reshape(dot, (BLOCK_N, XG, 4)), axis=2)  # below 2**24 in magnitude: exact in fp32
+        x_scale = (x_max / (127.0 * 254.0))[None, :]
+        acc += dot.to(tl.float32) * x_scale * scale + offset * tl.sum(x, axis=1)[None, :]
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
@@ -291,10 +314,10 @@ class Tiles(NamedTuple):
 
 def matmul_tiles(m: int, fp8: bool) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
-    (benchmarks/results/quant-kernels-2026-12-03; one row of INT4: -2026-12-04): narrow row tiles, so even
-    N = 4,096 spreads over every SM."""
+    (benchmarks/results/quant-kernels-2026-12-03; one row of INT4: within 1% of the best in quant-kernels-x16-
+    2026-12-04): narrow row tiles, so even N = 4,096 spreads over every SM."""
     if m == 1:  # INT4's block_k: 8 x the words of a row per iteration of its own kernel
-        return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 4, 4096, 4, 2)
+        return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 8, 2048, 4, 2)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 3, swap_ab=True)
     return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
@@ -310,8 +333,9 @@ def weight_only_matmul(
     bias: torch.Tensor | None = None,
     tiles: Tiles | None = None,
 ) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized tile by tile. FP8 weights (`offsets` None) take one
-    fp32 scale per row; integer weights take `bits`-wide values with group scales and offsets. `tiles` overrides
+    """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized tile by tile (one row of INT4: in integers, see
+    `_int4_gemv_kernel`). FP8 weights (`offsets` None) take one fp32 scale per row; integer weights take
+    `bits`-wide values with group scales and offsets. `tiles` overrides
     the launch configuration (benchmarks/quant_kernels.py sweeps them)."""
     fp8 = offsets is None
     m, k = x.shape
@@ -334,7 +358,7 @@ def weight_only_matmul(
         if m != 1:
             raise ValueError(f"one-row tiles (block_m 1) given {m} rows")
         grid = (triton.cdiv(n, t.block_n),)
-        if bits == 4 and group_size % 8 == 0:  # whole words in each group
+        if bits == 4 and group_size % 32 == 0 and k % 32 == 0:  # whole 32-column x groups in each group
             _int4_gemv_kernel[grid](
                 x,
                 weight,
@@ -348,7 +372,7 @@ def weight_only_matmul(
                 scales.stride(0),
                 GROUP=group_size,
                 HAS_BIAS=common["HAS_BIAS"],
-                PACKED_BF16=x.dtype == torch.bfloat16 and asm_conversions(x),
+                ASM=asm_conversions(x),
                 BLOCK_N=t.block_n,
                 WORDS=max(t.block_k // 8, 1),
                 num_warps=t.num_warps,

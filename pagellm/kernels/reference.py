@@ -256,12 +256,41 @@ def weight_only_matmul(
     group_size: int,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Twin of quant_matmul.weight_only_matmul: FP8 weights with per-row scales when `offsets` is None."""
+    """Twin of quant_matmul.weight_only_matmul (exact fp32; its one-row INT4 kernel's own twin is
+    `int4_x16_matmul`): FP8 weights with per-row scales when `offsets` is None."""
     if offsets is None:
         w = weight.float() * scales.float()[:, None]
     else:
         w = dequantize_grouped(weight, scales, offsets, bits, group_size)
     out = x.float() @ w.T
+    if bias is not None:
+        out += bias.float()
+    return out.to(x.dtype)
+
+
+def int4_x16_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Twin of quant_matmul's one-row INT4 kernel: x per 32 columns as integers 254 * hi + lo (hi its absmax-127
+    int8 rounding, lo that rounding's error in 1/254ths, both to nearest even), integer dots per 32 columns scaled
+    by x's and the weight group's scales, the offsets against x's exact 32-column sums."""
+    m, k = x.shape
+    xg = x.float().view(m, k // 32, 32)
+    x_max = xg.abs().amax(dim=-1)
+    v = xg * torch.where(x_max > 0, 127.0 / x_max, 0.0)[..., None]
+    hi = torch.round(v)
+    x16 = 254.0 * hi + torch.round((v - hi) * 254.0)
+    q = unpack_int32(qweight, 4).float().view(-1, k // 32, 32)
+    dots = torch.einsum("mgc,ngc->mng", x16, q)  # integers below 2**24: exact in fp32
+    per_x_group = {"dim": 1, "repeats": group_size // 32}
+    w_scale = scales.float().repeat_interleave(**per_x_group)
+    w_offset = offsets.float().repeat_interleave(**per_x_group)
+    out = (dots * (x_max / (127.0 * 254.0))[:, None, :] * w_scale).sum(-1) + xg.sum(-1) @ w_offset.T
     if bias is not None:
         out += bias.float()
     return out.to(x.dtype)

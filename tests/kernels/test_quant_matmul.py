@@ -54,9 +54,43 @@ def test_weight_only_matmul_grouped_integers(dtype, m, bits, group):
     to = dict(device=DEVICE)
     out = weight_only_matmul(x.to(**to), words.to(**to), scales.to(**to), offsets.to(**to), bits, group, bias.to(**to))
     assert out.dtype == dtype and out.shape == (m, n)
-    assert rel_err(out.cpu(), expected) < TOL[dtype]
     twin = reference.weight_only_matmul(x, words, scales, offsets, bits, group, bias)
     assert rel_err(twin, expected) < TOL[dtype]
+    if m == 1 and bits == 4:
+        check_x16_activations(out, x, words, scales, offsets, group, bias, expected)
+    else:
+        assert rel_err(out.cpu(), expected) < TOL[dtype]
+
+
+# One INT4 row takes x per 32 columns as 16-bit integers (two int8 parts): ~1e-5 from the exact product.
+X16_TOL = 1e-4
+
+
+def check_x16_activations(out, x, words, scales, offsets, group, bias, expected) -> None:
+    """The one-row INT4 kernel against its twin (the same integers: as close as the output dtype allows) and
+    the exact product."""
+    twin = reference.int4_x16_matmul(x, words, scales, offsets, group, bias)
+    assert rel_err(out.cpu(), twin.float()) < TOL[x.dtype]
+    assert rel_err(twin, expected) < max(TOL[x.dtype], X16_TOL)
+    assert rel_err(out.cpu(), expected) < max(TOL[x.dtype], X16_TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [32, 128])
+def test_one_int4_row_is_exact_on_int8_grid_activations(dtype, group):
+    """x whose 32-column groups are integers in [-127, 127] with 127 present is its own int8 part (the other part
+    zero), so the integer kernel and its twin give the exact product (up to the output's rounding)."""
+    gen = torch.Generator().manual_seed(group)
+    n, k = 40, 512
+    words, scales, offsets, dense = grouped_weight(n, k, 4, group, dtype, gen)
+    x = torch.randint(-127, 128, (1, k), generator=gen).float()
+    x[0, ::32] = 127.0
+    x = (x * 2.0**-7).to(dtype)  # a power of two keeps every group on its grid
+    expected = x.float() @ dense.T
+    out = weight_only_matmul(x.to(DEVICE), words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), 4, group)
+    assert rel_err(out.cpu(), expected) < TOL[dtype]
+    twin = reference.int4_x16_matmul(x, words, scales, offsets, group)
+    assert rel_err(twin.float(), expected) < TOL[dtype]
 
 
 # Each code path of the two kernels: the one-row GEMV with tiles inside one group, spanning several and ending
@@ -84,7 +118,10 @@ def test_every_tile_variant(dtype, tiles, bits, group):
     out = weight_only_matmul(
         x.to(DEVICE), words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), bits, group, tiles=tiles
     )
-    assert rel_err(out.cpu(), expected) < TOL[dtype]
+    if m == 1 and bits == 4:
+        check_x16_activations(out, x, words, scales, offsets, group, None, expected)
+    else:
+        assert rel_err(out.cpu(), expected) < TOL[dtype]
     fp8 = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
     scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
     out = weight_only_matmul(x.to(DEVICE), fp8.to(DEVICE), scale.to(DEVICE), None, 8, 0, tiles=tiles)
