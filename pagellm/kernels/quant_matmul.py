@@ -335,8 +335,8 @@ def weight_only_matmul(
 ) -> torch.Tensor:
     """x [M, K] @ W^T -> [M, N] in x's dtype, W dequantized tile by tile (one row of INT4: in integers, see
     `_int4_gemv_kernel`). FP8 weights (`offsets` None) take one fp32 scale per row; integer weights take
-    `bits`-wide values with group scales and offsets. `tiles` overrides
-    the launch configuration (benchmarks/quant_kernels.py sweeps them)."""
+    `bits`-wide values with group scales and offsets. `tiles` overrides the launch configuration
+    (benchmarks/quant_kernels.py sweeps them)."""
     fp8 = offsets is None
     m, k = x.shape
     n = weight.shape[0]
