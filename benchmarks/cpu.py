@@ -1,7 +1,7 @@
-"""CPU decode throughput: pagellm vs HF transformers `generate` on SmolLM2-135M-Instruct (fp32), same prompts,
-same process. Batch 1 and batch 8, 64 new tokens each, greedy, EOS ignored.
+"""CPU decode throughput: pagellm vs HF transformers `generate` on SmolLM2-135M-Instruct (fp32, or --dtype
+bfloat16 for both), same prompts, same process. Batch 1 and batch 8, 64 new tokens each, greedy, EOS ignored.
 
-    python benchmarks/cpu.py [--new-tokens 64] [--repeats 3]
+    python benchmarks/cpu.py [--new-tokens 64] [--repeats 3] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines'")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = Path(default_model())
-    llm = LLM(str(gguf), device="cpu", dtype="float32", quiet=True)
-    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    llm = LLM(str(gguf), device="cpu", dtype=args.dtype, quiet=True)
+    dtype = getattr(torch, args.dtype)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype).eval()
     hf.generation_config.eos_token_id = None  # run to exactly new_tokens, like ignore_eos
     tokenizer = AutoTokenizer.from_pretrained(str(llm.engine.model_dir), padding_side="left")
 
@@ -91,14 +93,14 @@ def main() -> None:
     table = markdown_table(rows, ["batch", "new_tokens", "pagellm_tok_s", "hf_tok_s", "speedup"])
     payload = {
         "environment": environment(),
-        "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)",
+        "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to {args.dtype})",
         "weight_bytes": weight_bytes,
         "rows": rows,
         "repeats": args.repeats,
     }
-    path = write_results("cpu", payload, table)
+    path = write_results("cpu" if args.dtype == "float32" else f"cpu-{args.dtype}", payload, table)
     print(table)
-    print(f"weights: {weight_bytes / 1e6:.0f} MB fp32 streamed per decode step; results: {path}")
+    print(f"weights: {weight_bytes / 1e6:.0f} MB ({args.dtype}) streamed per decode step; results: {path}")
 
 
 if __name__ == "__main__":
