@@ -85,11 +85,13 @@ def main() -> None:
         row["speedup"] = row["pagellm_tok_s"] / row["hf_tok_s"]
         rows.append(row)
     # The floor at batch 1: every weight a decode step multiplies by streams from memory once per token (packed
-    # linear weights are buffers; the embedding table is only looked up, the LM head is its packed copy).
+    # linear weights are buffers; the embedding table is only looked up, while the LM head, tied or not, packed or
+    # not, streams a matrix of its size).
     model = llm.engine.runner.model
-    tensors = [t for n, t in model.named_parameters() if "embed_tokens" not in n]
-    tensors += [t for n, t in model.named_buffers() if n.endswith("weight")]
-    weight_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    decoder = [t for n, t in model.named_parameters() if not n.startswith(("embed_tokens", "lm_head"))]
+    decoder += [t for n, t in model.named_buffers() if n.endswith("weight") and not n.startswith("lm_head")]
+    head = model.embed_tokens.weight
+    weight_bytes = sum(t.numel() * t.element_size() for t in [*decoder, head])
     table = markdown_table(rows, ["batch", "new_tokens", "pagellm_tok_s", "hf_tok_s", "speedup"])
     payload = {
         "environment": environment(),
