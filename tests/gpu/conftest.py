@@ -1,9 +1,13 @@
-"""The GPU tests' model: small enough to build in a second, wide enough for the GPU kernels' tiles."""
+"""The GPU tests' models: a tiny one, small enough to build in a second and wide enough for the GPU kernels'
+tiles, and SmolLM2's GGUF where it was carried."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 
+from pagellm.model.loader import DEFAULT_MODEL_PACKAGE, default_model
 from tests.conftest import make_tiny_model
 
 
@@ -20,3 +24,11 @@ def model_dir(tmp_path_factory):
         vocab_size=1024,
         max_position_embeddings=2048,
     )
+
+
+@pytest.fixture(scope="session")
+def carried_smollm2_gguf() -> str:
+    """SmolLM2's GGUF; the GPU machine has it only when carried there, and the test skips where it has not."""
+    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:
+        pytest.skip("SmolLM2's GGUF is not on this machine: `bash benchmarks/gpu_suite.sh perplexity` says how")
+    return default_model()

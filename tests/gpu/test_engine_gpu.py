@@ -3,7 +3,6 @@ eager mode, no kernel compiled after start-up, INT8 KV against bf16 KV (both aga
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from collections.abc import Callable
@@ -12,7 +11,6 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.model.loader import DEFAULT_MODEL_PACKAGE, default_model
 from pagellm.runner.input_batch import HostBatch
 
 pytestmark = pytest.mark.gpu
@@ -173,14 +171,12 @@ def test_int8_kv_holds_twice_the_tokens_at_bf16_accuracy(model_dir):
     assert int8_err < 1.5 * bf16_err, (int8_err, bf16_err)
 
 
-def test_int8_kv_perplexity_on_real_text():
+def test_int8_kv_perplexity_on_real_text(carried_smollm2_gguf):
     """The bf16 Triton path on SmolLM2 reading prose: INT8 KV perplexity within 1% of bf16 KV. Chunks of 32
     tokens, so later chunks attend to earlier ones through the (quantized) cache with the prefill kernel."""
-    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:  # the GPU machine has it only when carried there
-        pytest.skip("SmolLM2's GGUF is not on this machine: `bash benchmarks/gpu_suite.sh perplexity` says how")
     from tests.test_int8_kv import perplexity
 
-    smollm2_gguf = default_model()
+    smollm2_gguf = carried_smollm2_gguf
     common = dict(device="cuda", dtype="bfloat16", max_num_batched_tokens=32, gpu_memory_utilization=0.3, quiet=True)
     bf16 = perplexity(LLM(smollm2_gguf, kv_cache_dtype="bfloat16", **common))
     int8 = perplexity(LLM(smollm2_gguf, kv_cache_dtype="int8", **common))

@@ -4,13 +4,10 @@ run of the same checkpoint."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
-from pagellm.model.loader import DEFAULT_MODEL_PACKAGE, default_model
 from tests.quant_checkpoints import fp8_at_load_weights, hf_model_with, write_awq, write_fp8, write_gptq_act_order
 
 pytestmark = pytest.mark.gpu
@@ -83,17 +80,15 @@ def test_one_row_steps_match_cpu(model_dir, tmp_path):
     assert quant_err < ERROR_BOUND["awq"] * bf16_err, (quant_err, bf16_err)
 
 
-def test_gguf_q4_perplexity_on_real_text_one_row_a_step():
+def test_gguf_q4_perplexity_on_real_text_one_row_a_step(carried_smollm2_gguf):
     """SmolLM2's Q4_1 blocks as stored on the GPU, a token a step (the one-row integer kernel) and 32 a step (the
     tile kernel): perplexity within 0.5% of the CPU's exact fp32 run of the dequantized weights."""
-    if importlib.util.find_spec(DEFAULT_MODEL_PACKAGE) is None:  # the GPU machine has it only when carried there
-        pytest.skip("SmolLM2's GGUF is not on this machine: `bash benchmarks/gpu_suite.sh perplexity` says how")
     from tests.test_int8_kv import perplexity
 
-    exact = perplexity(LLM(default_model(), device="cpu", dtype="float32", quiet=True))
+    exact = perplexity(LLM(carried_smollm2_gguf, device="cpu", dtype="float32", quiet=True))
     for tokens_a_step in (1, 32):
         common = dict(device="cuda", dtype="bfloat16", gpu_memory_utilization=0.3, quiet=True)
-        gpu = LLM(default_model(), max_num_batched_tokens=tokens_a_step, **common)
+        gpu = LLM(carried_smollm2_gguf, max_num_batched_tokens=tokens_a_step, **common)
         assert gpu.engine.runner.model.layers[0].mlp.down_proj.method is not None  # still quantized on the GPU
         ppl = perplexity(gpu)
         print(f"SmolLM2 Q4_1 perplexity: GPU {tokens_a_step} token(s) a step {ppl:.4f}, CPU fp32 {exact:.4f}")
