@@ -77,3 +77,29 @@ def test_padding_slots_are_skipped():
     values = torch.ones(3, 1, 8)
     reference.write_kv(values, values, cache, cache.clone(), torch.tensor([0, -1, 5]))
     assert cache.view(-1, 1, 8)[[0, 5]].eq(1).all() and cache.sum() == 16
+
+
+@pytest.mark.parametrize("rows", [[4, 1, 2], [0, 1, 2, 3, 4, 5]])
+@pytest.mark.parametrize("vocab", [1000, 4096 + 33])
+def test_cpu_token_bitmask_follows_the_layout(rows, vocab):
+    """The CPU path's mask (numpy's unpacking) against the layout itself, bit t % 32 of word t // 32, and against
+    the torch twin, on a view of the first rows of a larger logits tensor (as the sampler's logits are)."""
+    from pagellm.kernels.ops import TorchOps
+
+    gen = torch.Generator().manual_seed(vocab + len(rows))
+    logits = torch.randn(8, vocab, generator=gen)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (len(rows), -(-vocab // 32)), generator=gen, dtype=torch.int32)
+    index = torch.tensor(rows, dtype=torch.int32)
+    out = logits.clone()
+    TorchOps().apply_token_bitmask(out[:6], bitmask, index)
+    expected = logits.clone()
+    reference.apply_token_bitmask(expected, bitmask, index)
+    assert torch.equal(out, expected)
+    words = bitmask.tolist()
+    for i in range(8):
+        if i not in rows:
+            assert torch.equal(out[i], logits[i])
+            continue
+        allowed = torch.tensor([(words[rows.index(i)][t // 32] >> (t % 32)) & 1 == 1 for t in range(vocab)])
+        assert torch.equal(out[i][allowed], logits[i][allowed])
+        assert torch.all(out[i][~allowed] == float("-inf"))
