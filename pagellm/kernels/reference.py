@@ -201,22 +201,23 @@ def sample_rows(
     round draws among the more likely tokens. After max_rounds rejections the top token is taken."""
     x = logits.float() * inv_temperature.float()[:, None]
     top = x.argmax(dim=-1)
-    m = x.amax(dim=-1, keepdim=True)
-    e = torch.exp(x - m)
-    probs = e * (1.0 / e.sum(dim=-1, keepdim=True))
+    # In place (the CPU sampler runs this): two fewer passes over [B, V] than exp(x - amax) and a scaled copy.
+    probs = x.sub_(x.gather(-1, top[:, None])).exp_()
+    probs.mul_(1.0 / probs.sum(dim=-1, keepdim=True))
     token = top.clone()
     vocab = probs.shape[-1]
     seeds_np = seeds.cpu().numpy()
     rows = (greedy == 0).nonzero()[:, 0]
-    lower = torch.full((rows.numel(),), -1.0, device=x.device)  # candidates: tokens more likely than this
+    lower = None  # candidates: tokens more likely than this (round 0: every token)
     mass = torch.ones(rows.numel(), device=x.device)  # of the candidates
     for round_ in range(max_rounds):
         if not rows.numel():
             break
-        p = probs[rows]
+        p = probs if rows.numel() == probs.shape[0] else probs[rows]
         u = torch.from_numpy(philox_uniform(seeds_np[rows.cpu().numpy()], round_)).to(x.device)
-        candidates = torch.where(p > lower[:, None], p, 0.0)
-        before = (candidates.cumsum(dim=-1) <= (u * mass)[:, None]).sum(dim=-1)  # the first cum > target
+        candidates = p if lower is None else torch.where(p > lower[:, None], p, 0.0)
+        # The first token whose running sum passes the target (the sums never fall: candidates are >= 0).
+        before = torch.searchsorted(candidates.cumsum(dim=-1), (u * mass)[:, None], right=True)[:, 0]
         draw = torch.where(before < vocab, before, top[rows])  # rounding can leave the mass short
         p_draw = p.gather(-1, draw[:, None])
         mass_above = torch.where(p > p_draw, p, 0.0).sum(dim=-1)
