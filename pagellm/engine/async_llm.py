@@ -2,8 +2,9 @@
 
 Only the engine thread touches the Engine. Callers validate requests on their own thread (the input processor
 reads only state fixed at start-up), then hand the validated, plain request over through a command queue; outputs
-come back through each request's asyncio queue. A stream whose consumer goes away (client hang-up, cancellation)
-aborts its request, which frees its KV blocks on the engine thread's next turn.
+come back to each request's stream on its event loop, once a step (the newest only, if the consumer lags). A
+stream whose consumer goes away (client hang-up, cancellation) aborts its request, which frees its KV blocks on
+the engine thread's next turn.
 
 Why a thread and not a process: torch releases the GIL inside its kernels, so on the GPU the Python work of
 the HTTP side overlaps the engine step, and a thread shares the tokenizer and needs no serialization of outputs.
@@ -38,10 +39,31 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+    """One request's outputs on their way to its consumer, touched only on the consumer's event loop. Outputs are
+    cumulative, so only the newest is kept: a consumer that falls behind the engine (the HTTP side under load)
+    gets fewer, longer updates instead of a backlog of one per step, as vLLM's output collector does."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._latest: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if not (isinstance(self._latest, RequestOutput) and self._latest.finished):  # nothing replaces the end
+            self._latest = item
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        self._ready.clear()
+        item, self._latest = self._latest, None
+        return item
+
+
+def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+    for stream, item in items:
+        stream.put(item)
 
 
 RATE_WINDOW_S = 5.0
@@ -124,7 +146,7 @@ class AsyncLLM:
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         request_id = processed.request_id
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         with self._lock:
             if request_id in self._streams:
                 raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
@@ -133,7 +155,7 @@ class AsyncLLM:
         finished = False
         try:
             while not finished:
-                item = await stream.outputs.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise EngineDeadError(f"engine stopped: {item!r}") from item
                 finished = item.finished
@@ -161,8 +183,7 @@ class AsyncLLM:
         self.error = exc
         with self._lock:
             streams = list(self._streams.values())
-        for stream in streams:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+        self._hand_over([(stream, exc) for stream in streams])
 
     def _on_rank_death(self, reason: str) -> None:
         """Another tensor-parallel rank (or a data-parallel replica) died: the engine cannot go on. Every caller
@@ -202,7 +223,15 @@ class AsyncLLM:
         recent = tuple((t, n) for t, n in self.stats.recent if now - t <= RATE_WINDOW_S)
         self.stats = LiveStats(stats, (*recent, (now, stats.generation_tokens_total)), replicas)
         with self._lock:
-            targets = [(self._streams.get(out.request_id), out) for out in outputs]
-        for stream, out in targets:
-            if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+            targets = [(stream, out) for out in outputs if (stream := self._streams.get(out.request_id)) is not None]
+        self._hand_over(targets)
+
+    @staticmethod
+    def _hand_over(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:
+        """One wake-up of each consumer loop per step, not one per output: each costs the loop a write to its
+        self-pipe and a callback."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput | BaseException]]] = {}
+        for stream, item in items:
+            by_loop.setdefault(stream.loop, []).append((stream, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, batch)

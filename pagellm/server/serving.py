@@ -169,6 +169,13 @@ class OpenAIServing:
     async def _merged(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt of the job as they come, tagged with the prompt's index. Leaving early
         cancels the producers, whose streams then abort their requests."""
+        if len(job.requests) == 1:  # the usual job: read its stream here, without a task and a queue between
+            async with aclosing(self.llm.stream(job.requests[0])) as outputs:
+                async for out in outputs:
+                    if out.finished:
+                        self.metrics.record_finished(out)
+                    yield 0, out
+            return
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(index: int, request: ProcessedRequest) -> None:

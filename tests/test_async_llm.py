@@ -1,0 +1,70 @@
+"""AsyncLLM's hand-over of outputs to asyncio consumers: a consumer that falls behind the engine gets its request's
+newest output, not a backlog of one per step, and still reads exactly what the offline engine generates."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.config import EngineConfig
+from pagellm.engine.async_llm import AsyncLLM
+
+PROMPT = [11, 12, 13, 14]
+GREEDY = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def async_tiny(tiny_llama_dir):
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True))
+    yield llm
+    llm.shutdown()
+
+
+async def _wait_for_tokens(llm: AsyncLLM, total: int, timeout: float = 30.0) -> None:
+    deadline = time.time() + timeout
+    while llm.stats.engine.generation_tokens_total < total:
+        assert time.time() < deadline, "the engine stopped generating"
+        await asyncio.sleep(0.005)
+
+
+def test_a_consumer_that_falls_behind_gets_the_newest_output(async_tiny, tiny_llama_dir):
+    async def read_with_a_pause() -> list[list[int]]:
+        seen: list[list[int]] = []
+        async for out in async_tiny.generate(PROMPT, GREEDY):
+            seen.append(out.outputs[0].token_ids)
+            if len(seen) == 1:  # fall 10 steps behind: each of them handed over an output meanwhile
+                await _wait_for_tokens(async_tiny, async_tiny.stats.engine.generation_tokens_total + 10)
+        return seen
+
+    seen = asyncio.run(read_with_a_pause())
+    offline = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
+    expected = offline.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert seen[-1] == expected
+    assert all(expected[: len(ids)] == ids for ids in seen)  # every output a prefix of the whole
+    assert len(seen[1]) >= len(seen[0]) + 10  # the pause's outputs were replaced by the newest, not queued
+
+
+def test_an_output_that_ends_the_request_is_never_replaced(tiny_llama_dir):
+    """The engine failing after a request's last output (an error handed to every open stream) must not hide it."""
+    llm = AsyncLLM(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True))
+
+    async def finish_then_fail() -> list:
+        stream = llm.stream(llm.input_processor.process(PROMPT, GREEDY, "ends-then-fails"))
+        items = [await anext(stream)]
+        deadline = time.time() + 30
+        while llm.stats.engine.num_running + llm.stats.engine.num_waiting > 0:  # until the request has ended
+            assert time.time() < deadline, "the request did not end"
+            await asyncio.sleep(0.005)
+        llm._fail_streams(RuntimeError("injected after the end"))
+        await asyncio.sleep(0.05)  # both hand-overs reach this loop before the stream is read again
+        items += [out async for out in stream]
+        return items
+
+    try:
+        items = asyncio.run(finish_then_fail())
+    finally:
+        llm.shutdown()
+    assert items[-1].finished and len(items[-1].outputs[0].token_ids) == GREEDY.max_tokens
