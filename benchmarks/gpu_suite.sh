@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_suite.sh serving  # Poisson clients against pagellm serve and vLLM's server (see below)
 #   bash benchmarks/gpu_suite.sh perplexity  # INT8 vs bf16 KV perplexity of SmolLM2 on the GPU (see below)
 #   bash benchmarks/gpu_suite.sh structured  # JSON-schema decode on pagellm and vLLM, the step's phases (see below)
+#   bash benchmarks/gpu_suite.sh quant    # Llama-3.1-8B decode in bf16, FP8 and AWQ on vLLM, then pagellm (see below)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -107,5 +108,15 @@ structured)
     PYTHONPATH=$PWD:/tmp/structured-deps timeout 100 python3 benchmarks/profile_step.py --model .devcarry/$model \
       --batch 64 --structured --phases --steps 100 --json "$OUT/phases-$model.json" 2>&1 | tail -13
   done
+  bundle ;;
+quant)
+  # The peers' bundle installed first (/tmp/site: ../shared/peers/vllm_bundle.sh). vLLM's three formats (about 2
+  # minutes each), then pagellm's with vLLM's figures beside them: one results file, latency-none-fp8-awq-<date>.
+  PYTHONPATH=/tmp/site VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 timeout 420 \
+    python3 benchmarks/vllm_quant_latency.py --peer-dir .peer --out "$OUT/vllm-quant.json" > "$OUT/vllm-quant.log" 2>&1
+  echo "vllm rc=$?"; tail -3 "$OUT/vllm-quant.log"
+  timeout 170 python3 benchmarks/latency.py --models Llama-3.1-8B --quantization none fp8 awq --skip-cold-start \
+    --peer "$OUT/vllm-quant.json" > "$OUT/latency-quant.log" 2>&1
+  echo "latency rc=$?"; tail -5 "$OUT/latency-quant.log"
   bundle ;;
 esac

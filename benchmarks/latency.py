@@ -9,7 +9,7 @@ With --quantization each model runs once per method (dummy weights in that forma
 and the limit is the bandwidth over the bytes the loaded model holds (quantized linears, their scales, bf16
 embeddings and norms). kv_memory_tokens is what the memory beside the weights holds, which grows by the weight
 bytes a format saves; kv_cache_tokens what the engine allocates of it (at most max_num_seqs full-length sequences:
-64 x 4,096 tokens here).
+64 x 4,096 tokens here). --peer adds vLLM's figures of the same run (`vllm_quant_latency.py`) and the ratios.
 """
 
 from __future__ import annotations
@@ -83,6 +83,20 @@ def held_weight_bytes(llm: LLM) -> int:
     return sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
 
 
+def add_peer(rows: list[dict], peer_runs: list[dict]) -> list[str]:
+    """vLLM's decode figures of the same model and format beside pagellm's, and the ratios; the columns added."""
+    by_key = {(run["model"], run["quantization"]): run for run in peer_runs if "error" not in run}
+    for row in rows:
+        run = by_key.get((row["model"], row["quantization"]))
+        if run is None:
+            continue
+        for batch in (1, 16):
+            peer = run[f"batch{batch}"]["decode_only_tok_per_s"]
+            row[f"vllm_b{batch}_tok_s"] = peer
+            row[f"b{batch}_vs_vllm"] = row[f"b{batch}_tok_s"] / peer
+    return ["vllm_b1_tok_s", "b1_vs_vllm", "vllm_b16_tok_s", "b16_vs_vllm"]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
@@ -90,6 +104,7 @@ def main() -> None:
     parser.add_argument("--bandwidth", type=float, default=4.3e12)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-cold-start", action="store_true")
+    parser.add_argument("--peer", type=Path, default=None, help="vllm_quant_latency.py's JSON of the same run")
     args = parser.parse_args()
     rows = []
     for name in args.models:
@@ -149,6 +164,8 @@ def main() -> None:
         "cold_start_max_s",
         "cold_start_warm_triton_cache_s",
     ]
+    if args.peer is not None:
+        columns += add_peer(rows, json.loads(args.peer.read_text())["runs"])
     table = markdown_table(rows, columns)
     write_results(
         "latency" if args.quantization == ["none"] else "latency-" + "-".join(args.quantization),
@@ -157,6 +174,7 @@ def main() -> None:
             "rows": rows,
             "new_tokens": args.new_tokens,
             "note": "dummy weights, bf16, CUDA graphs on, max_model_len 4096",
+            "peer": None if args.peer is None else json.loads(args.peer.read_text()),
         },
         table,
     )
