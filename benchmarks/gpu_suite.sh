@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_suite.sh perplexity  # INT8 vs bf16 KV perplexity of SmolLM2 on the GPU (see below)
 #   bash benchmarks/gpu_suite.sh structured  # JSON-schema decode on pagellm and vLLM, the step's phases (see below)
 #   bash benchmarks/gpu_suite.sh quant    # Llama-3.1-8B decode in bf16, FP8 and AWQ on vLLM, then pagellm (see below)
+#   bash benchmarks/gpu_suite.sh quant-kernels  # the quantized GPU tests, then every INT4/FP8 tile configuration
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -118,5 +119,11 @@ quant)
   timeout 170 python3 benchmarks/latency.py --models Llama-3.1-8B --quantization none fp8 awq --skip-cold-start \
     --peer "$OUT/vllm-quant.json" > "$OUT/latency-quant.log" 2>&1
   echo "latency rc=$?"; tail -5 "$OUT/latency-quant.log"
+  bundle ;;
+quant-kernels)
+  timeout 150 python3 -m pytest -q -x -W ignore::DeprecationWarning -p no:cacheprovider tests/kernels/test_quant_matmul.py \
+    > "$OUT/quant-tests.log" 2>&1; echo "quant tests rc=$?"; tail -2 "$OUT/quant-tests.log"
+  timeout 420 python3 benchmarks/quant_kernels.py --rows 1 16 64 > "$OUT/quant-kernels.log" 2>&1
+  echo "quant kernels rc=$?"; grep "all four" "$OUT/quant-kernels.log"
   bundle ;;
 esac

@@ -3,7 +3,9 @@
 GEMV / cuBLAS on the same shape, the prefill paths (dequantize + cuBLAS; FP8 x FP8 `torch._scaled_mm`) and the
 bandwidth limit of the bytes each must read. Every configuration's output is checked against torch first. The
 table lists the best configuration per (format, rows, shape) and the best single one per (format, rows) over the
-four shapes (what `matmul_tiles` picks); the JSON holds the whole sweep.
+four shapes (what `matmul_tiles` picks); the JSON holds the whole sweep. INT4 dot tiles whose block_k divides the
+group (128) run on BASE + q with the group scales applied to the sums (`_biased_int4_tile`), the others dequantize
+each value to fp32 first; one row is also tried on dot tiles (block_m 16) beside the integer GEMV.
 
 Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache
 before the timing, which then runs alone on the GPU.
@@ -43,7 +45,10 @@ def tile_grid(fmt: str, m: int) -> list[Tiles]:
     if m == 1:
         block_k = [512, 1024, 2048, 4096] if fmt == "int4" else [512, 1024, 2048]
         block_n = [4, 8, 16, 32] if fmt == "int4" else [4, 8, 16]
-        return [Tiles(1, n, k, w, s) for n, k, w, s in itertools.product(block_n, block_k, [4, 8], [2, 4])]
+        gemv = [Tiles(1, n, k, w, s) for n, k, w, s in itertools.product(block_n, block_k, [4, 8], [2, 4])]
+        if fmt == "fp8":
+            return gemv
+        return gemv + [Tiles(16, n, 128, 4, s, swap) for n, s, swap in itertools.product([16, 32, 64], [3, 4], [False, True])]
     if m == 16:
         grid = itertools.product([False, True], [16, 32, 64, 128], [64, 128, 256])
         return [Tiles(16, n, k, 4, 3, swap) for swap, n, k in grid]

@@ -74,8 +74,15 @@ def _int_to_float(q):
 @triton.jit
 def _unpack(words, BITS: tl.constexpr):
     """[rows, words] int32 -> [rows, words * 32 / BITS] fp32 columns in order (value j of a word at bits
-    [BITS*j, BITS*(j+1))). tl.join adds its new axis inside each thread, so a word's values stay in the thread
-    that loaded it and the reshape moves no data; nested as below, the joins' axes flatten into column order."""
+    [BITS*j, BITS*(j+1)))."""
+    return _int_to_float(_unpack_ints(words, BITS))
+
+
+@triton.jit
+def _unpack_ints(words, BITS: tl.constexpr):
+    """[rows, words] int32 -> [rows, words * 32 / BITS] int32 columns in order. tl.join adds its new axis inside
+    each thread, so a word's values stay in the thread that loaded it and the reshape moves no data; nested as
+    below, the joins' axes flatten into column order."""
     MASK: tl.constexpr = (1 << BITS) - 1
     if BITS == 4:
         v0, v1, v2, v3 = words & MASK, (words >> 4) & MASK, (words >> 8) & MASK, (words >> 12) & MASK
@@ -84,7 +91,22 @@ def _unpack(words, BITS: tl.constexpr):
     else:
         v0, v1, v2, v3 = words & MASK, (words >> 8) & MASK, (words >> 16) & MASK, (words >> 24) & MASK
         q = tl.join(tl.join(v0, v2), tl.join(v1, v3))
-    return _int_to_float(tl.reshape(q, (words.shape[0], words.shape[1] * (32 // BITS))))
+    return tl.reshape(q, (words.shape[0], words.shape[1] * (32 // BITS)))
+
+
+@triton.jit
+def _biased_int4_tile(
+    w_ptr, rows, k0, N, K, stride_w, BASE: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr
+):  # fmt: skip
+    """INT4 weight rows `rows`, columns k0 .. k0 + BLOCK_K, as BASE + q in the 16-bit float DTYPE, exactly: q
+    placed in the mantissa of BASE (128 in bf16, 1024 in fp16: the powers of two whose spacing there is 1) by bit
+    operations alone, where converting each integer to a float and scaling it runs on the slower conversion
+    units."""
+    word_cols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask = (rows < N)[:, None] & (word_cols < K // 8)[None, :]
+    words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
+    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
+    return (_unpack_ints(words, 4) | BASE_BITS).to(tl.int16).to(DTYPE, bitcast=True)
 
 
 @triton.jit
@@ -237,28 +259,42 @@ def _int4_gemv_kernel(
 @triton.jit
 def _tile_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
-    FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+    FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BASE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """Several activation rows: tensor-core dots on weight tiles dequantized in registers. SWAP_AB computes
     out^T = W x^T, so the weight tile is the dot's first operand (Hopper's wgmma takes that one from registers,
-    the second only from shared memory) and BLOCK_N, not the few tokens, is its 64-row side."""
+    the second only from shared memory) and BLOCK_N, not the few tokens, is its 64-row side.
+
+    BASE 128 or 1024 (INT4 with bf16 or fp16 activations, each tile inside one group; 0 otherwise): the dot
+    runs on BASE + q as stored (`_biased_int4_tile`), and the group's scale s and offset o apply to its sums:
+    sum((q * s + o) x) = s * dot(BASE + q, x) + (o - BASE * s) * sum(x). The sums are fp32, whose 24 bits leave
+    the cancellation of BASE * sum(x) far below bf16's rounding."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask, t_mask = rows < N, tokens < M
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        w = _load_weight_tile(
-            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
-        )
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=t_mask[:, None] & (cols < K)[None, :], other=0.0
         )
-        if SWAP_AB:
-            acc += tl.dot(w.to(x.dtype), tl.trans(x))
+        if BASE:
+            w = _biased_int4_tile(w_ptr, rows, k0, N, K, stride_w, BASE, BLOCK_K, x.dtype)
+            part = tl.dot(w, tl.trans(x)) if SWAP_AB else tl.dot(x, tl.trans(w))
+            g = k0 // GROUP
+            scale = tl.load(scale_ptr + rows * stride_s + g, mask=r_mask, other=0.0).to(tl.float32)
+            shift = tl.load(offset_ptr + rows * stride_s + g, mask=r_mask, other=0.0).to(tl.float32) - BASE * scale
+            x_sum = tl.sum(x.to(tl.float32), axis=1)
+            if SWAP_AB:
+                acc += part * scale[:, None] + shift[:, None] * x_sum[None, :]
+            else:
+                acc += part * scale[None, :] + x_sum[:, None] * shift[None, :]
         else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+            w = _load_weight_tile(
+                w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
+            ).to(x.dtype)
+            acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
     out = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
     if FP8:
         out *= tl.load(scale_ptr + rows, mask=r_mask, other=0.0)[None, :]
@@ -321,6 +357,11 @@ def matmul_tiles(m: int, fp8: bool) -> Tiles:
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 3, swap_ab=True)
     return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
+
+
+def _int4_dot_base(dtype: torch.dtype) -> int:
+    """The power of two under whose mantissa INT4 values become x's dtype exactly (0: no 16-bit float)."""
+    return {torch.bfloat16: 128, torch.float16: 1024}.get(dtype, 0)
 
 
 def weight_only_matmul(
@@ -397,6 +438,7 @@ def weight_only_matmul(
         out.stride(0),
         BLOCK_M=t.block_m,
         SWAP_AB=t.swap_ab,
+        BASE=_int4_dot_base(x.dtype) if bits == 4 and not fp8 and group_size % t.block_k == 0 else 0,
         **common,
     )
     return out

@@ -94,11 +94,13 @@ def test_one_int4_row_is_exact_on_int8_grid_activations(dtype, group):
 
 
 # Each code path of the two kernels: the one-row GEMV with tiles inside one group, spanning several and ending
-# past K; the dot kernel with tiles inside one group or spanning several, in either operand order.
+# past K; the dot kernel with tiles inside one group (INT4: on BASE + q, in either operand order) or spanning
+# several, in either operand order; one activation row through the dot kernel.
 TILE_VARIANTS = [
     Tiles(1, 16, 64, 4, 2),
     Tiles(1, 8, 256, 4, 3),
     Tiles(16, 16, 64, 4, 2),
+    Tiles(16, 32, 32, 4, 2),
     Tiles(16, 32, 128, 4, 2, swap_ab=True),
     Tiles(16, 64, 64, 4, 2, swap_ab=True),
     Tiles(32, 64, 256, 4, 2),
@@ -110,7 +112,7 @@ TILE_VARIANTS = [
 @pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 16)])
 def test_every_tile_variant(dtype, tiles, bits, group):
     gen = torch.Generator().manual_seed(tiles.block_n + bits + group)
-    m = 1 if tiles.block_m == 1 else 19
+    m = 1 if tiles.block_m == 1 or tiles.block_k == 32 else 19
     n, k = 72, 640  # 640: a partial last tile for 256-column tiles
     words, scales, offsets, dense = grouped_weight(n, k, bits, group, dtype, gen)
     x = torch.randn(m, k, generator=gen).to(dtype)
@@ -118,7 +120,7 @@ def test_every_tile_variant(dtype, tiles, bits, group):
     out = weight_only_matmul(
         x.to(DEVICE), words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), bits, group, tiles=tiles
     )
-    if m == 1 and bits == 4:
+    if tiles.block_m == 1 and bits == 4:
         check_x16_activations(out, x, words, scales, offsets, group, None, expected)
     else:
         assert rel_err(out.cpu(), expected) < TOL[dtype]
