@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field, replace
 
 from pagellm.errors import InvalidParameter, invalid_value
@@ -37,6 +38,14 @@ class StructuredOutputsParams:
                 "structured_outputs: set exactly one of json, json_object, regex, choice and grammar"
                 + (f" (got {', '.join(kinds)})" if kinds else ""),
             )
+        if isinstance(self.json, str):
+            try:
+                json.loads(self.json)
+            except json.JSONDecodeError as exc:
+                raise InvalidParameter(
+                    "structured_outputs.json",
+                    f"structured_outputs.json: a string schema must be JSON ({exc.msg} at character {exc.pos})",
+                ) from exc
         if self.choice is not None:
             if not all(isinstance(c, str) and c for c in self.choice):
                 raise invalid_value("structured_outputs.choice", self.choice, "a list of non-empty strings")

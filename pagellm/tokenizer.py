@@ -65,6 +65,7 @@ class Tokenizer:
         return len(self.hf)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        require_unicode(text, "prompt")
         return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -108,8 +109,19 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
         text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
+        require_unicode(text, "messages")
         # The template already wrote the special tokens (BOS and role markers): add none.
         return self.hf.encode(text, add_special_tokens=False)
+
+
+def require_unicode(text: str, field: str) -> None:
+    """InvalidParameter unless `text` is valid Unicode: JSON may carry a lone UTF-16 surrogate (an unpaired
+    \\udXXX escape), which Python keeps in a str but the tokenizer cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        bad = ord(text[exc.start])
+        raise InvalidParameter(field, f"{field}: not valid Unicode text (a lone surrogate, U+{bad:04X})") from exc
 
 
 class IncrementalDetokenizer:

@@ -103,6 +103,14 @@ def test_bad_grammars_queue_nothing(smollm2_llm):
         StructuredOutputsParams(regex="a", choice=["b"])
     with pytest.raises(InvalidParameter, match="structured_outputs"):
         SamplingParams(structured_outputs={"jsn": {}})
+    with pytest.raises(InvalidParameter, match="structured_outputs.json: a string schema must be JSON"):
+        StructuredOutputsParams(json="{'type': 'object'}")
+    lone_surrogate = SamplingParams(structured_outputs=StructuredOutputsParams(regex="a\udcff"))
+    with pytest.raises(InvalidParameter, match="structured_outputs.regex: not valid Unicode"):
+        smollm2_llm.generate("x", lone_surrogate, use_tqdm=False)
+    with pytest.raises(InvalidParameter, match="prompt: not valid Unicode"):
+        smollm2_llm.generate("x\ud800", good, use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished()
     # Found by schemathesis: xgrammar's error about this grammar is cut inside a UTF-8 character.
     odd = SamplingParams(
         structured_outputs=StructuredOutputsParams(grammar="\u00d9\u009c\u0086+\U00108e16\u00b8\u00e1")

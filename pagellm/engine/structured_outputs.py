@@ -25,7 +25,7 @@ import torch
 from pagellm.core.step import GrammarBitmask, RequestUpdate, SchedulerOutput
 from pagellm.errors import InvalidParameter
 from pagellm.sampling_params import StructuredOutputsParams
-from pagellm.tokenizer import Tokenizer
+from pagellm.tokenizer import Tokenizer, require_unicode
 
 if TYPE_CHECKING:
     import xgrammar
@@ -82,6 +82,7 @@ class GrammarCompiler:
     def _compile(self, kind: str, source: str, compact: bool) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
         field = f"structured_outputs.{kind}"
+        require_unicode(source, field)  # xgrammar takes UTF-8
         try:
             if kind == "json":
                 check_json_schema(json.loads(source), field)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -83,6 +84,28 @@ def test_non_finite_floats_are_refused(server, number):
     body = f'{{"model": "{MODEL}", "messages": [{{"role": "user", "content": "Hi"}}], "temperature": {number}}}'
     resp = httpx.post(f"{server.url}/v1/chat/completions", content=body, headers={"content-type": "application/json"})
     assert_error(resp, 400, "temperature")
+
+
+def post_raw_json(url: str, body: dict) -> httpx.Response:
+    """`body` as json.dumps writes it (ASCII, every non-ASCII character an escape, as JavaScript's JSON.stringify
+    writes a lone surrogate), so a str holding a lone UTF-16 surrogate travels as valid JSON."""
+    return httpx.post(url, content=json.dumps(body), headers={"content-type": "application/json"}, timeout=60)
+
+
+def test_lone_surrogates_and_non_json_schemas_are_refused(server):
+    chat, completions = f"{server.url}/v1/chat/completions", f"{server.url}/v1/completions"
+    lone = "\udcff"
+    bad = {**CHAT, "messages": [{"role": "user", "content": f"Hi {lone}"}]}
+    assert_error(post_raw_json(chat, bad), 400, "messages", "lone surrogate, U+DCFF")
+    prompt = {"model": MODEL, "prompt": lone, "max_tokens": 2}
+    assert_error(post_raw_json(completions, prompt), 400, "prompt", "lone surrogate")
+    regex = {**CHAT, "structured_outputs": {"regex": f"a{lone}"}}
+    assert_error(post_raw_json(chat, regex), 400, "structured_outputs", "lone surrogate")
+    assert_error(post_raw_json(chat, {**CHAT, "guided_json": "{not json"}), 400, "guided_json", "must be JSON")
+    # A surrogate pair is one character (an emoji here): accepted.
+    paired = post_raw_json(chat, {**CHAT, "messages": [{"role": "user", "content": "Hi \U0001f600"}]})
+    assert paired.status_code == 200, paired.text
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_more_tokens_than_the_context_is_refused_like_vllm(server):
