@@ -48,7 +48,9 @@ def tile_grid(fmt: str, m: int) -> list[Tiles]:
         gemv = [Tiles(1, n, k, w, s) for n, k, w, s in itertools.product(block_n, block_k, [4, 8], [2, 4])]
         if fmt == "fp8":
             return gemv
-        return gemv + [Tiles(16, n, 128, 4, s, swap) for n, s, swap in itertools.product([16, 32, 64], [3, 4], [False, True])]
+        return gemv + [
+            Tiles(16, n, 128, 4, s, swap) for n, s, swap in itertools.product([16, 32, 64], [3, 4], [False, True])
+        ]
     if m == 16:
         grid = itertools.product([False, True], [16, 32, 64, 128], [64, 128, 256])
         return [Tiles(16, n, k, 4, 3, swap) for swap, n, k in grid]

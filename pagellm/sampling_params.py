@@ -76,6 +76,8 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # Keep only the prompt's last k tokens (vLLM's; -1: as many as leave room for one output token).
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -127,6 +129,13 @@ class SamplingParams:
                 self.prompt_logprobs is None
                 or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
                 "None or an integer in [0, 20]",
+            ),
+            (
+                "truncate_prompt_tokens",
+                self.truncate_prompt_tokens is None
+                or (isinstance(self.truncate_prompt_tokens, int) and self.truncate_prompt_tokens >= -1)
+                and self.truncate_prompt_tokens != 0,
+                "None, -1 (as many as fit) or an integer >= 1",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
             (

@@ -77,12 +77,19 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """The conversation as the model's chat template writes it, with the tools it may call (OpenAI's
-        format); `template_kwargs` are extra template variables (e.g. enable_thinking)."""
+        format); `template_kwargs` are extra template variables (e.g. enable_thinking). continue_final_message
+        leaves the last message open (no end-of-turn after it), so the model goes on with it."""
         if not self.hf.chat_template:
             raise InvalidParameter(
                 "messages", "messages: this model's tokenizer has no chat template; send a plain prompt instead"
+            )
+        if continue_final_message and add_generation_prompt:
+            raise InvalidParameter(
+                "continue_final_message",
+                "continue_final_message: cannot be combined with add_generation_prompt=true (set it to false)",
             )
         template_kwargs = template_kwargs or {}
         taken = sorted(RESERVED_TEMPLATE_VARIABLES.intersection(template_kwargs))
@@ -93,7 +100,12 @@ class Tokenizer:
             )
         try:
             return self.hf.apply_chat_template(
-                messages, tools=tools, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+                messages,
+                tools=tools,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message,
+                **template_kwargs,
             )
         except TemplateError as exc:
             raise InvalidParameter("messages", f"messages: the chat template rejected them: {exc}") from exc
@@ -107,8 +119,9 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
-        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, template_kwargs, tools, continue_final_message)
         require_unicode(text, "messages")
         # The template already wrote the special tokens (BOS and role markers): add none.
         return self.hf.encode(text, add_special_tokens=False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.errors import InvalidParameter
 from tests.conftest import hf_greedy, make_tiny_model
 
 PROMPTS = [
@@ -41,6 +42,46 @@ def test_smollm2_chat_template_and_answer(smollm2_llm):
     assert smollm2_llm.tokenizer.decode(out.prompt_token_ids, skip_special_tokens=False) == expected
     assert "Paris" in out.outputs[0].text
     assert out.outputs[0].finish_reason == "stop"  # ends on <|im_end|>
+
+
+def test_smollm2_continues_a_started_reply_like_hf(smollm2_llm, hf_smollm2):
+    """continue_final_message: the prompt is HF's rendering with the last message left open, and the reply
+    goes on from it as HF's greedy decode does."""
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    out = smollm2_llm.chat(messages, params, add_generation_prompt=False, continue_final_message=True, use_tqdm=False)
+    hf_tokenizer = smollm2_llm.tokenizer.hf
+    text = hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True)
+    assert text.endswith("The capital of France is")
+    assert out[0].prompt_token_ids == hf_tokenizer.encode(text, add_special_tokens=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_smollm2, out[0].prompt_token_ids, 12)
+    with pytest.raises(InvalidParameter, match="continue_final_message: cannot be combined with add_generation"):
+        smollm2_llm.chat(messages, params, continue_final_message=True, use_tqdm=False)
+
+
+def test_smollm2_truncated_prompt_reads_its_last_tokens_like_hf(smollm2_llm, hf_smollm2):
+    long_ids = smollm2_llm.tokenizer.encode(PROMPTS[0] * 8)
+    keep = 24
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, truncate_prompt_tokens=keep)
+    out = smollm2_llm.generate([long_ids, long_ids[:30], long_ids[:10]], params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in out] == [long_ids[-keep:], long_ids[30 - keep : 30], long_ids[:10]]
+    for o in out:
+        assert o.outputs[0].token_ids == hf_greedy(hf_smollm2, o.prompt_token_ids, 8)
+    with pytest.raises(InvalidParameter, match="truncate_prompt_tokens=0 is invalid"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
+def test_truncation_to_what_fits_lets_a_too_long_prompt_run(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
+    limit = llm.engine.max_model_len
+    ids = [3 + i % 400 for i in range(limit + 40)]
+    with pytest.raises(InvalidParameter, match="prompt: .* is too long"):
+        llm.generate(ids, SamplingParams(max_tokens=1), use_tqdm=False)
+    out = llm.generate(ids, SamplingParams(max_tokens=4, truncate_prompt_tokens=-1), use_tqdm=False)[0]
+    assert out.prompt_token_ids == ids[-(limit - 1) :] and len(out.outputs[0].token_ids) == 1
 
 
 def test_smollm2_prompt_logprobs_match_hf(smollm2_llm, hf_smollm2):

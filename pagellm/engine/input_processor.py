@@ -56,8 +56,9 @@ class InputProcessor:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.grammar_compiler = grammar_compiler
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        """Token ids of a prompt, validated: non-empty, ids in the vocabulary, shorter than max_model_len."""
+    def tokenize(self, prompt: str | list[int], truncate_prompt_tokens: int | None = None) -> list[int]:
+        """Token ids of a prompt, validated: non-empty, ids in the vocabulary, shorter than max_model_len once
+        cut to its last `truncate_prompt_tokens` (-1: to max_model_len - 1)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidParameter("prompt", "prompt: this model has no tokenizer; pass token ids instead of text")
@@ -66,6 +67,9 @@ class InputProcessor:
             ids = list(prompt)
         if not ids:
             raise InvalidParameter("prompt", "prompt: must not be empty")
+        if truncate_prompt_tokens is not None:
+            keep = self.max_model_len - 1 if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+            ids = ids[-keep:]
         vocab = self.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise InvalidParameter("prompt", f"prompt: token ids must be integers in [0, {vocab})")
@@ -80,7 +84,7 @@ class InputProcessor:
     def process(self, prompt: str | list[int], params: SamplingParams | None, request_id: str) -> ProcessedRequest:
         """Validate a request and fan it out into its n samples. The caller's `params` is left as it was: each
         sample gets its own copy, with the model's EOS ids as stop tokens unless ignore_eos."""
-        ids = self.tokenize(prompt)
+        ids = self.tokenize(prompt, params and params.truncate_prompt_tokens)
         if params is not None:
             for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
                 if any(t >= self.vocab_size for t in token_ids):

@@ -45,8 +45,8 @@ class LLM:
         """Run prompts to completion; outputs come back in the order of the prompts."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        for prompt in prompt_list:  # fail before anything is queued
-            self.engine.input_processor.tokenize(prompt)
+        for prompt, params in zip(prompt_list, params_list):  # fail before anything is queued
+            self.engine.input_processor.tokenize(prompt, params.truncate_prompt_tokens)
         return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
 
     def chat(
@@ -57,12 +57,15 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to each conversation (with the tools it may call, in OpenAI's format),
-        then generate. Tool calls are left in the text: parsing them is the server's job."""
+        then generate. Tool calls are left in the text: parsing them is the server's job. continue_final_message
+        (with add_generation_prompt=False) has the model go on with the last message, e.g. a started reply."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [
-            self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs, tools) for conv in conversations
+            self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs, tools, continue_final_message)
+            for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
 
@@ -72,11 +75,14 @@ class LLM:
         add_generation_prompt: bool = True,
         chat_template_kwargs: dict[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         _check_messages(conversation)
         if self.tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        return self.tokenizer.chat_prompt_ids(conversation, add_generation_prompt, chat_template_kwargs, tools)
+        return self.tokenizer.chat_prompt_ids(
+            conversation, add_generation_prompt, chat_template_kwargs, tools, continue_final_message
+        )
 
     def shutdown(self) -> None:
         """Stop the other tensor-parallel ranks' processes now (they stop with this process otherwise)."""

@@ -91,6 +91,7 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # an end-user id for the client's own records: it changes no output
@@ -127,6 +128,7 @@ class SamplingFields(StrictModel):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             prompt_logprobs=prompt_logprobs,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
@@ -309,6 +311,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: the last message is left open for the model to go on with (a prefilled reply)
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None

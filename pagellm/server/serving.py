@@ -72,11 +72,13 @@ class OpenAIServing:
     def completion_job(self, req: CompletionRequest) -> Job:
         params = req.to_sampling_params()
         prompts = req.prompts()
-        ids = [self.llm.input_processor.tokenize(p) for p in prompts]
+        ids = [self.llm.input_processor.tokenize(p, params.truncate_prompt_tokens) for p in prompts]
         if not req.prompt_only:
             for prompt_ids in ids:
                 self._check_context_length(len(prompt_ids), req.max_tokens, "prompt")
-        texts = [p if isinstance(p, str) else self._decode(p) for p in prompts]
+        # echo returns the prompt the model read: what truncate_prompt_tokens left of it
+        whole = params.truncate_prompt_tokens is None
+        texts = [p if isinstance(p, str) and whole else self._decode(i) for p, i in zip(prompts, ids)]
         job_id = uuid.uuid4().hex
         return Job(
             "completion",
@@ -104,7 +106,10 @@ class OpenAIServing:
         params = req.to_sampling_params(structure and structure[1])
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         ids = self.llm.input_processor.tokenize(
-            self.chat_prompt_ids(req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools)
+            self.chat_prompt_ids(
+                req.messages, req.add_generation_prompt, req.chat_template_kwargs, tools, req.continue_final_message
+            ),
+            params.truncate_prompt_tokens,
         )
         self._check_context_length(len(ids), req.requested_max_tokens, "messages")
         job_id = uuid.uuid4().hex
@@ -144,11 +149,14 @@ class OpenAIServing:
         add_generation_prompt: bool,
         template_kwargs: dict[str, Any] | None,
         tools: list[dict[str, Any]] | None = None,
+        continue_final_message: bool = False,
     ) -> list[int]:
         tokenizer = self.llm.tokenizer
         if tokenizer is None:
             raise InvalidParameter("messages", "messages: this model has no tokenizer, so no chat template")
-        return tokenizer.chat_prompt_ids(template_messages(messages), add_generation_prompt, template_kwargs, tools)
+        return tokenizer.chat_prompt_ids(
+            template_messages(messages), add_generation_prompt, template_kwargs, tools, continue_final_message
+        )
 
     def _check_context_length(self, num_prompt_tokens: int, max_tokens: int | None, prompt_field: str) -> None:
         """A request for more tokens than fit is refused (vLLM's answer), not cut short."""

@@ -7,9 +7,10 @@ import time
 import httpx
 import pytest
 import torch
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 from pagellm.engine.async_llm import RATE_WINDOW_S
+from tests.conftest import hf_greedy
 from tests.server.conftest import MODEL
 
 
@@ -267,3 +268,44 @@ def test_streamed_logprobs_with_echo_equal_the_whole_response(client):
     assert text == whole.text
     assert tokens == whole.logprobs.tokens and offsets == whole.logprobs.text_offset
     assert token_logprobs == pytest.approx(whole.logprobs.token_logprobs)
+
+
+def test_vllm_prompt_options_through_the_client(client, server, hf_smollm2):
+    """truncate_prompt_tokens: the model reads (and echo returns) the prompt's last tokens; continue_final_message:
+    the reply goes on from a started assistant message. Both as HF's greedy decode of the same tokens."""
+    prompt = "Once upon a time there was a small red fox who lived in the woods"
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    resp = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=6,
+        temperature=0,
+        echo=True,
+        extra_body={"truncate_prompt_tokens": 5, "ignore_eos": True},
+    )
+    tail = server.llm.tokenizer.decode(ids[-5:])
+    assert resp.usage.prompt_tokens == 5 and resp.choices[0].text.startswith(tail)
+    expected = server.llm.tokenizer.decode(hf_greedy(hf_smollm2, ids[-5:], 6))
+    assert resp.choices[0].text == tail + expected
+    messages = [
+        {"role": "user", "content": "What is the capital of France?"},
+        {"role": "assistant", "content": "The capital of France is"},
+    ]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True},
+    )
+    hf_tokenizer = server.llm.tokenizer.hf
+    prompt_ids = hf_tokenizer.encode(
+        hf_tokenizer.apply_chat_template(messages, tokenize=False, continue_final_message=True),
+        add_special_tokens=False,
+    )
+    assert chat.usage.prompt_tokens == len(prompt_ids)
+    assert chat.choices[0].message.content == server.llm.tokenizer.decode(hf_greedy(hf_smollm2, prompt_ids, 6))
+    with pytest.raises(BadRequestError, match="continue_final_message"):
+        client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=2, extra_body={"continue_final_message": True}
+        )
