@@ -28,6 +28,22 @@ from pagellm.kernels.paged_kv import asm_conversions
 
 
 @triton.jit
+def _load_words(w_ptr, rows, k0, N, K, stride_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int32 words packing weight rows `rows`, columns k0 .. k0 + BLOCK_K (zero past N and K)."""
+    word_cols = k0 * BITS // 32 + tl.arange(0, BLOCK_K * BITS // 32)
+    mask = (rows < N)[:, None] & (word_cols < K * BITS // 32)[None, :]
+    return tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def _group_scales(scale_ptr, offset_ptr, rows, group, N, stride_s):
+    """fp32 scale and offset of group `group` of each of weight rows `rows` (zero past N)."""
+    offs = rows * stride_s + group
+    scale = tl.load(scale_ptr + offs, mask=rows < N, other=0.0).to(tl.float32)
+    return scale, tl.load(offset_ptr + offs, mask=rows < N, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def _load_weight_tile(
     w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -41,16 +57,9 @@ def _load_weight_tile(
         mask = r_mask[:, None] & (cols < K)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        WORDS: tl.constexpr = BLOCK_K * BITS // 32
-        word_cols = k0 * BITS // 32 + tl.arange(0, WORDS)
-        w_mask = r_mask[:, None] & (word_cols < K * BITS // 32)[None, :]
-        words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=w_mask, other=0)
-        q = _unpack(words, BITS)
+        q = _unpack(_load_words(w_ptr, rows, k0, N, K, stride_w, BITS, BLOCK_K), BITS)
         if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
-            g = k0 // GROUP
-            s_mask = r_mask & (k0 < K)
-            scale = tl.load(scale_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
-            offset = tl.load(offset_ptr + rows * stride_s + g, mask=s_mask, other=0.0).to(tl.float32)
+            scale, offset = _group_scales(scale_ptr, offset_ptr, rows, k0 // GROUP, N, stride_s)
             w = q * scale[:, None] + offset[:, None]
         else:  # GROUPS whole groups: their scales broadcast over a [rows, groups, group] view (a free reshape)
             GROUPS: tl.constexpr = BLOCK_K // GROUP
@@ -102,9 +111,7 @@ def _biased_int4_tile(
     placed in the mantissa of BASE (128 in bf16, 1024 in fp16: the powers of two whose spacing there is 1) by bit
     operations alone, where converting each integer to a float and scaling it runs on the slower conversion
     units."""
-    word_cols = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    mask = (rows < N)[:, None] & (word_cols < K // 8)[None, :]
-    words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
+    words = _load_words(w_ptr, rows, k0, N, K, stride_w, 4, BLOCK_K)
     BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
     return (_unpack_ints(words, 4) | BASE_BITS).to(tl.int16).to(DTYPE, bitcast=True)
 
@@ -282,9 +289,8 @@ def _tile_matmul_kernel(
         if BASE:
             w = _biased_int4_tile(w_ptr, rows, k0, N, K, stride_w, BASE, BLOCK_K, x.dtype)
             part = tl.dot(w, tl.trans(x)) if SWAP_AB else tl.dot(x, tl.trans(w))
-            g = k0 // GROUP
-            scale = tl.load(scale_ptr + rows * stride_s + g, mask=r_mask, other=0.0).to(tl.float32)
-            shift = tl.load(offset_ptr + rows * stride_s + g, mask=r_mask, other=0.0).to(tl.float32) - BASE * scale
+            scale, offset = _group_scales(scale_ptr, offset_ptr, rows, k0 // GROUP, N, stride_s)
+            shift = offset - BASE * scale
             x_sum = tl.sum(x.to(tl.float32), axis=1)
             if SWAP_AB:
                 acc += part * scale[:, None] + shift[:, None] * x_sum[None, :]
