@@ -73,6 +73,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit before sampling (OpenAI's)
+    allowed_token_ids: list[int] | None = None  # sample only among these (vLLM's)
+    bad_words: list[str] | None = None  # never complete one of these words (vLLM's)
     structured_outputs: StructuredOutputsParams | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
@@ -81,8 +83,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
-    # Filled in by the engine: the model's EOS ids, unless ignore_eos.
+    # Filled in by the engine: the model's EOS ids, unless ignore_eos; the token sequences of the bad words.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -90,6 +93,9 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.logit_bias = dict(self.logit_bias or {})
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        self.bad_words = list(self.bad_words or [])
         if isinstance(self.structured_outputs, dict):
             try:
                 self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
@@ -144,6 +150,13 @@ class SamplingParams:
                 "a list of non-negative token ids",
             ),
             (
+                "allowed_token_ids",
+                self.allowed_token_ids is None
+                or (self.allowed_token_ids and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids)),
+                "None or a non-empty list of non-negative token ids",
+            ),
+            ("bad_words", all(isinstance(w, str) and w.strip() for w in self.bad_words), "a list of non-blank strings"),
+            (
                 "logit_bias",
                 all(
                     isinstance(t, int) and t >= 0 and isinstance(b, int | float) and -100 <= b <= 100
@@ -169,9 +182,20 @@ class SamplingParams:
         """Whether sampling depends on the tokens seen so far (repetition, presence or frequency penalty)."""
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @property
+    def needs_output_history(self) -> bool:
+        """Whether a row's mask or penalties read the tokens it generated so far (a bad word of several tokens is
+        banned only where its first tokens were just generated)."""
+        return self.has_penalties or any(len(ids) > 1 for ids in self.bad_words_token_ids)
+
     def for_child(self, index: int) -> SamplingParams:
         """Parameters of the index-th of n samples: one output each, seeds kept distinct."""
         seed = None if self.seed is None else self.seed + index
         return replace(
-            self, n=1, seed=seed, all_stop_token_ids=set(self.all_stop_token_ids), logit_bias=dict(self.logit_bias)
+            self,
+            n=1,
+            seed=seed,
+            all_stop_token_ids=set(self.all_stop_token_ids),
+            logit_bias=dict(self.logit_bias),
+            bad_words_token_ids=[list(ids) for ids in self.bad_words_token_ids],
         )

@@ -9,7 +9,7 @@ from pagellm import LLM, SamplingParams
 from pagellm.core.step import SamplingRow
 from pagellm.errors import InvalidParameter
 from pagellm.kernels.ops import TorchOps
-from pagellm.runner.sampler import Sampler, apply_logit_bias, apply_penalties
+from pagellm.runner.sampler import Sampler, apply_logit_bias, apply_penalties, mask_disallowed_tokens
 
 LOGITS = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 N = 40_000
@@ -177,3 +177,25 @@ def test_logprobs_are_raw_model_logprobs(smollm2_llm):
         assert position[token].rank == 1  # greedy picks the top token
         assert len(position) == 3 and all(lp.logprob <= 0 for lp in position.values())
     assert out.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in zip(out.token_ids, out.logprobs)))
+
+
+def test_allowed_token_ids_renormalize_the_law_over_them():
+    allowed = [1, 4, 6]
+    expected = torch.zeros_like(LOGITS)
+    expected[allowed] = torch.softmax(LOGITS[allowed], 0)
+    assert_close_to(sample_counts(SamplingParams(allowed_token_ids=allowed)), expected)
+
+
+def test_bad_words_ban_the_token_that_would_complete_one():
+    params = SamplingParams()
+    params.bad_words_token_ids = [[5], [2, 3], [1, 2, 4]]  # as the engine spells the words
+    rows = [
+        SamplingRow(params, 0, [2], []),  # nothing generated: only the one-token word
+        SamplingRow(params, 0, [0], [7, 2]),  # [2, 3] would complete
+        SamplingRow(params, 0, [0], [1, 2]),  # [1, 2, 4] would complete, and [2, 3]
+        SamplingRow(SamplingParams(allowed_token_ids=[0, 3]), 0, [0], []),
+    ]
+    out = mask_disallowed_tokens(torch.zeros(4, 8), rows)
+    banned = [{5}, {5, 3}, {5, 3, 4}, {1, 2, 4, 5, 6, 7}]
+    for row, tokens in zip(out, banned):
+        assert {t for t in range(8) if row[t] == float("-inf")} == tokens

@@ -73,6 +73,7 @@ class Request:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token needs its previous one on the host (penalties count the
-        tokens so far; min_tokens masks stop tokens until enough are out)."""
+        tokens so far, a bad word of several tokens checks the last ones; min_tokens masks stop tokens until enough
+        are out)."""
         params = self.sampling_params
-        return params.has_penalties or len(self.output_token_ids) + self.num_pending_tokens < params.min_tokens
+        return params.needs_output_history or len(self.output_token_ids) + self.num_pending_tokens < params.min_tokens

@@ -85,13 +85,18 @@ class InputProcessor:
         """Validate a request and fan it out into its n samples. The caller's `params` is left as it was: each
         sample gets its own copy, with the model's EOS ids as stop tokens unless ignore_eos."""
         ids = self.tokenize(prompt, params and params.truncate_prompt_tokens)
-        if params is not None:
-            for name, token_ids in (("logit_bias", params.logit_bias), ("stop_token_ids", params.stop_token_ids)):
-                if any(t >= self.vocab_size for t in token_ids):
-                    raise InvalidParameter(name, f"{name}: token ids must be in [0, {self.vocab_size})")
+        params = params or SamplingParams()
+        for name, token_ids in (
+            ("logit_bias", params.logit_bias),
+            ("stop_token_ids", params.stop_token_ids),
+            ("allowed_token_ids", params.allowed_token_ids or []),
+        ):
+            if any(t >= self.vocab_size for t in token_ids):
+                raise InvalidParameter(name, f"{name}: token ids must be in [0, {self.vocab_size})")
         params = replace(
-            params or SamplingParams(),
-            all_stop_token_ids=set() if (params and params.ignore_eos) else set(self.eos_token_ids),
+            params,
+            all_stop_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
+            bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
@@ -103,6 +108,19 @@ class InputProcessor:
         else:
             samples = [SampleRequest(f"{i}_{request_id}", i, params.for_child(i), max_tokens) for i in range(params.n)]
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, ids, samples, grammar)
+
+    def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
+        """The token sequences that spell each bad word (vLLM's rule): the word as written and after a space
+        (mid-sentence, BPE vocabularies spell a word with its leading space)."""
+        if bad_words and self.tokenizer is None:
+            raise InvalidParameter("bad_words", "bad_words: this model has no tokenizer to spell them")
+        sequences: list[list[int]] = []
+        for word in bad_words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
 
 def eos_token_ids(model_dir: Path, model_config: ModelConfig, tokenizer: Tokenizer | None) -> set[int]:

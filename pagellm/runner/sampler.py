@@ -1,4 +1,5 @@
-"""Batched sampling: logit bias, penalties, min_tokens, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+"""Batched sampling: logit bias, allowed tokens, bad words, penalties, min_tokens, temperature, top-k, top-p, min-p,
+per-request seeds, logprobs.
 
 `prepare(rows)` builds the per-row inputs (their host-to-device copies overlap the forward pass) and
 `sample(logits, inputs)` only enqueues device work, so the engine can launch the next step before this one's tokens
@@ -100,6 +101,7 @@ class Sampler:
         logits = logits.float()
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(k is not None for k in want) else None
         logits = apply_logit_bias(logits, inputs.rows)
+        logits = mask_disallowed_tokens(logits, inputs.rows)
         logits = apply_penalties(logits, inputs.rows)
         logits = mask_stop_tokens_before_min(logits, inputs.rows)
         if inputs.all_greedy:
@@ -123,6 +125,8 @@ def _temperature_and_top_p_only(params: SamplingParams) -> bool:
         params.logprobs is None
         and not params.has_penalties
         and not params.logit_bias
+        and params.allowed_token_ids is None
+        and not params.bad_words_token_ids
         and params.min_tokens == 0
         and params.min_p == 0
         and not params.top_k
@@ -142,6 +146,36 @@ def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Ten
     device = logits.device
     index = (row_values(row_ids, device, torch.int64), row_values(cols, device, torch.int64))
     return logits.index_put(index, row_values(biases, device), accumulate=True)
+
+
+def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """vLLM's allowed_token_ids (every other token -inf) and bad_words: the last token of a bad word's sequence is
+    -inf where the tokens generated so far end with the rest of it (a one-token word is always banned)."""
+    allowed_rows, allowed_cols, banned_rows, banned_cols = [], [], [], []
+    for i, row in enumerate(rows):
+        params = row.params
+        if params.allowed_token_ids is not None:
+            allowed_rows += [i] * len(params.allowed_token_ids)
+            allowed_cols += params.allowed_token_ids
+        output = row.output_token_ids
+        for ids in params.bad_words_token_ids:
+            prefix = ids[:-1]
+            if not prefix or (len(output) >= len(prefix) and output[-len(prefix) :] == prefix):
+                banned_rows.append(i)
+                banned_cols.append(ids[-1])
+    if not allowed_rows and not banned_rows:
+        return logits
+    device = logits.device
+    if allowed_rows:
+        restricted = sorted(set(allowed_rows))
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        keep[row_values(restricted, device, torch.int64)] = False
+        keep[row_values(allowed_rows, device, torch.int64), row_values(allowed_cols, device, torch.int64)] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
+    if banned_rows:
+        index = (row_values(banned_rows, device, torch.int64), row_values(banned_cols, device, torch.int64))
+        logits = logits.index_put(index, torch.tensor(float("-inf"), device=device))
+    return logits
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -26,6 +26,7 @@ class StrictModel(BaseModel):
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: every chunk also carries its choice's usage so far
 
 
 class JsonSchemaFormat(StrictModel):
@@ -60,6 +61,8 @@ _NOT_IMPLEMENTED: list[tuple[str, tuple[Any, ...], str]] = [
     ("functions", (None, []), "function calling with `functions` (send `tools`)"),
     ("function_call", (None, "none"), "function calling with `function_call` (send `tool_choice`)"),
     ("suffix", (None, ""), "insertion (suffix)"),
+    # vLLM's default; HF's fast tokenizers (the only kind loaded here) decode as their vocabulary says
+    ("spaces_between_special_tokens", (True,), "choosing spaces between special tokens"),
 ]
 # vLLM's older names for structured outputs: field -> StructuredOutputsParams field.
 GUIDED_ALIASES = {
@@ -83,12 +86,15 @@ class SamplingFields(StrictModel):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     truncate_prompt_tokens: int | None = None
@@ -120,6 +126,8 @@ class SamplingFields(StrictModel):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             logit_bias=self._token_biases(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -182,6 +190,10 @@ class SamplingFields(StrictModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):

@@ -37,6 +37,7 @@ class Job:
     prompt_only: bool = False  # echo with max_tokens=0: the drawn token is not returned
     return_prompt_logprobs: bool = False  # vLLM's `prompt_logprobs` field
     include_usage: bool = False
+    continuous_usage: bool = False  # every streamed chunk carries its choice's usage so far
     top_logprobs: int = 0
     chat_rules: ChatOutputRules = field(default_factory=ChatOutputRules)
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -90,6 +91,7 @@ class OpenAIServing:
             prompt_only=req.prompt_only,
             return_prompt_logprobs=req.prompt_logprobs is not None,
             include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
             top_logprobs=params.logprobs or 0,
             id=job_id,
         )
@@ -121,6 +123,7 @@ class OpenAIServing:
             [""],
             return_prompt_logprobs=req.prompt_logprobs is not None,
             include_usage=req.include_usage,
+            continuous_usage=req.continuous_usage,
             top_logprobs=params.logprobs or 0,
             chat_rules=rules,
             id=job_id,
@@ -246,10 +249,19 @@ class OpenAIServing:
         a final usage chunk if asked, [DONE]."""
         states: dict[int, _StreamState] = {}  # by choice index
         finals: dict[int, RequestOutput] = {}
+        prompt_lengths = [len(r.prompt_token_ids) for r in job.requests]
+
+        def chunk(choice: dict, completion_tokens: int = 0) -> str:
+            payload = self._chunk(job, [choice])
+            if job.continuous_usage:
+                prompt = prompt_lengths[choice["index"] // job.n]
+                payload["usage"] = _usage_counts(prompt, completion_tokens)
+            return _sse(payload)
+
         if job.kind == "chat":
             for i in range(len(job.requests) * job.n):
                 delta = {"role": "assistant", "content": ""}
-                yield _sse(self._chunk(job, [{"index": i, "delta": delta, "logprobs": None, "finish_reason": None}]))
+                yield chunk({"index": i, "delta": delta, "logprobs": None, "finish_reason": None})
         async for prompt_index, out in self._merged(job):
             if out.finished:
                 finals[prompt_index] = out
@@ -261,7 +273,7 @@ class OpenAIServing:
                     if job.echo:
                         lp, state.offset = self._echo_logprobs(job, prompt_index, out)
                         echo = self._stream_choice(job, index, job.prompt_texts[prompt_index], lp, None)
-                        yield _sse(self._chunk(job, [echo]))
+                        yield chunk(echo)
                 text, token_ids, positions = self._generated(job, c)
                 new_positions = positions[state.positions_sent :] if positions is not None else None
                 lp = None
@@ -275,7 +287,7 @@ class OpenAIServing:
                     else self._completion_stream_choice(job, index, c, text, state, lp)
                 )
                 if choice is not None:
-                    yield _sse(self._chunk(job, [choice]))
+                    yield chunk(choice, 0 if job.prompt_only else len(c.token_ids))
         if job.include_usage:
             outputs = [finals[i] for i in sorted(finals)]
             yield _sse({**self._chunk(job, []), "usage": _usage(job, outputs)})
@@ -480,7 +492,15 @@ def _prompt_logprobs_field(out: RequestOutput) -> list[dict | None] | None:
 def _usage(job: Job, outputs: list[RequestOutput]) -> dict:
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
     completion = 0 if job.prompt_only else sum(len(c.token_ids) for o in outputs for c in o.outputs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return _usage_counts(prompt, completion)
+
+
+def _usage_counts(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def _sse(payload: dict) -> str:

@@ -61,6 +61,7 @@ def test_bad_chat_fields(server, body, param):
     [
         ("functions", [{"name": "f"}]),
         ("function_call", {"name": "f"}),
+        ("spaces_between_special_tokens", False),
     ],
 )
 def test_unimplemented_fields_are_refused_by_name(server, field, value):
@@ -76,6 +77,8 @@ def test_unknown_and_unimplemented_completion_fields(server):
     assert_error(httpx.post(url, json={**base, "max_tokens": 0}), 400, "max_tokens", "echo")
     # The "off" values of the unimplemented fields are accepted: they ask for nothing.
     ok = httpx.post(f"{server.url}/v1/chat/completions", json={**CHAT, "response_format": {"type": "text"}})
+    assert ok.status_code == 200, ok.text
+    ok = httpx.post(url, json={**base, "spaces_between_special_tokens": True})
     assert ok.status_code == 200, ok.text
 
 

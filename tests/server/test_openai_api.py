@@ -145,6 +145,48 @@ def test_logit_bias_steers_sampling(client, server):
     assert ids.json()["tokens"] == [1000] * 5
 
 
+def test_allowed_token_ids_and_bad_words_through_the_client(client, server):
+    prompt = {"model": MODEL, "prompt": "The quick brown fox", "temperature": 0, "max_tokens": 12}
+    free = client.completions.create(**prompt).choices[0].text
+    assert "brown bear" in free
+    steered = client.completions.create(**prompt, extra_body={"bad_words": ["brown bear"]}).choices[0].text
+    assert " brown" in steered and "brown bear" not in steered
+    allowed = httpx.post(f"{server.url}/tokenize", json={"prompt": " red green blue"}).json()["tokens"]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name a colour."}],
+        max_tokens=6,
+        extra_body={"allowed_token_ids": allowed, "ignore_eos": True},
+    )
+    ids = httpx.post(f"{server.url}/tokenize", json={"prompt": chat.choices[0].message.content}).json()["tokens"]
+    assert len(ids) == 6 and set(ids) <= set(allowed)
+    with pytest.raises(BadRequestError, match="allowed_token_ids"):
+        client.completions.create(**prompt, extra_body={"allowed_token_ids": [10**7]})
+
+
+def test_continuous_usage_stats_count_each_choice_so_far(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage of its choice up to it."""
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Name three fruits."}],
+        temperature=0,
+        max_tokens=12,
+        n=2,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    assert all(c.usage is not None for c in chunks)
+    per_choice: dict[int, list[int]] = {0: [], 1: []}
+    for c in chunks[:-1]:
+        assert c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+        per_choice[c.choices[0].index].append(c.usage.completion_tokens)
+    for counts in per_choice.values():
+        assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 12
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+
+
 def hf_logprobs(hf_model, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab]: row p holds log P(next token | ids[: p + 1]) by HF transformers."""
     with torch.no_grad():
