@@ -55,12 +55,15 @@ def hf_smollm2(smollm2_gguf):
     return model.eval()
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, **constraints) -> list[int]:
     """HF generate, greedy, one prompt at a time (no padding), running to exactly max_new_tokens with EOS
-    treated as an ordinary token (as pagellm's ignore_eos does)."""
+    treated as an ordinary token (as pagellm's ignore_eos does); `constraints` are generate()'s own (e.g.
+    bad_words_ids, prefix_allowed_tokens_fn)."""
     model.generation_config.eos_token_id = None  # generate() would fall back to the model's EOS otherwise
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        out = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **constraints
+        )
     return out[0, len(prompt_ids) :].tolist()
 
 

@@ -148,15 +148,6 @@ def test_random_weight_families_match_hf(tmp_path_factory, arch, overrides):
         assert abs(out.prompt_logprobs[pos][tid].logprob - ref[pos - 1, tid].item()) < 1e-4
 
 
-def _hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **constraints) -> list[int]:
-    model.generation_config.eos_token_id = None
-    with torch.no_grad():
-        out = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **constraints
-        )
-    return out[0, len(prompt_ids) :].tolist()
-
-
 def test_smollm2_bad_words_are_never_completed_like_hf(smollm2_llm, hf_smollm2, smollm2_gguf):
     """vLLM's bad_words against HF's bad_words_ids (its own tokenizer spelling each as written and after a
     space): the same greedy tokens. A phrase of two tokens bans its second only right after its first."""
@@ -171,7 +162,7 @@ def test_smollm2_bad_words_are_never_completed_like_hf(smollm2_llm, hf_smollm2, 
     banned = [hf_tokenizer.encode(p + w, add_special_tokens=False) for w in words for p in ("", " ")]
     assert [6354, 7012] in banned  # " brown", " bear"
     out = smollm2_llm.generate(prompt, replace(params, bad_words=words), use_tqdm=False)[0].outputs[0]
-    assert out.token_ids == _hf_generate(hf_smollm2, free.prompt_token_ids, 24, bad_words_ids=banned)
+    assert out.token_ids == hf_greedy(hf_smollm2, free.prompt_token_ids, 24, bad_words_ids=banned)
     assert " brown" in out.text and not any(w in out.text for w in words)
 
 
@@ -181,7 +172,7 @@ def test_smollm2_allowed_token_ids_like_hf(smollm2_llm, hf_smollm2):
     allowed = sorted(set(free[0].outputs[0].token_ids[1:]) | {28, 314, 1005})  # not the first token it picked
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, allowed_token_ids=allowed)
     out = smollm2_llm.generate(prompt, params, use_tqdm=False)[0]
-    expected = _hf_generate(hf_smollm2, out.prompt_token_ids, 8, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
+    expected = hf_greedy(hf_smollm2, out.prompt_token_ids, 8, prefix_allowed_tokens_fn=lambda batch, ids: allowed)
     assert out.outputs[0].token_ids == expected and set(expected) <= set(allowed)
     with pytest.raises(InvalidParameter, match="allowed_token_ids: token ids must be in"):
         smollm2_llm.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
