@@ -1,7 +1,7 @@
-"""Same-run A/B of two versions of pagellm on the GPU: the standard offline workload's throughput and batch-1
-decode, each measured in a fresh process per version, in the order A B B A so that the machine's drift falls on
-both alike. The figures of a refactoring are only comparable within one run: between two runs (or two machines) of
-the same code they move by more than the few percent such a change is allowed.
+"""Same-run A/B of two versions of pagellm on the GPU: the standard offline workload's throughput and decode at
+`--batches` (batch 1 by default), each measured in a fresh process per version, in the order A B B A so that the
+machine's drift falls on both alike. The figures of a refactoring are only comparable within one run: between two
+runs (or two machines) of the same code they move by more than the few percent such a change is allowed.
 
     git archive d9fbf08 pagellm | tar x -C .devcarry/base   # the baseline's package
     python benchmarks/ab.py --baseline .devcarry/base --label-a d9fbf08 --label-b HEAD
@@ -30,7 +30,7 @@ from pagellm import LLM, SamplingParams
 from benchmarks.latency import decode_rate
 from benchmarks.models import model_dir
 from benchmarks.throughput import workload
-name, throughput = sys.argv[1], sys.argv[2] == "1"
+name, throughput, batches = sys.argv[1], sys.argv[2] == "1", [int(b) for b in sys.argv[3].split(",")]
 path, out = model_dir(name), {}
 if throughput:
     prompts, out_lens = workload(256)
@@ -43,15 +43,18 @@ if throughput:
     del llm
     import gc, torch; gc.collect(); torch.cuda.empty_cache()
 llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quiet=True)
-out["b1_tok_s"] = decode_rate(llm, 1, 128, 256)[0]
+for batch in batches:
+    out[f"b{batch}_tok_s"] = decode_rate(llm, batch, 128, 256)[0]
 print("RESULT " + json.dumps(out))
 """
 
 
-def measure(tree: Path, model: str, throughput: bool) -> dict:
+def measure(tree: Path, model: str, throughput: bool, batches: list[int]) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, model, "1" if throughput else "0"],
+        # -P: `python -c` would put the working directory (this tree) on sys.path ahead of PYTHONPATH, so that the
+        # baseline's side imported this tree's pagellm too.
+        [sys.executable, "-P", "-c", CHILD, model, "1" if throughput else "0", ",".join(map(str, batches))],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -68,6 +71,7 @@ def main() -> None:
     parser.add_argument("--label-b", default="this tree")
     parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
     parser.add_argument("--throughput-models", nargs="+", default=["Qwen3-0.6B"])
+    parser.add_argument("--batches", nargs="+", type=int, default=[1], help="decode batch sizes to time")
     parser.add_argument("--name", default="ab", help="results file name (before the date)")
     args = parser.parse_args()
     trees = {"a": Path(args.baseline).resolve(), "b": ROOT}
@@ -75,7 +79,7 @@ def main() -> None:
     for model in args.models:
         for side in "abba":
             start = time.perf_counter()
-            result = measure(trees[side], model, model in args.throughput_models)
+            result = measure(trees[side], model, model in args.throughput_models, args.batches)
             runs.setdefault((model, side), []).append(result)
             print(f"{model} {side}: {result} ({time.perf_counter() - start:.0f} s)", flush=True)
     rows = []
@@ -103,7 +107,8 @@ def main() -> None:
             "a": args.label_a,
             "b": args.label_b,
             "note": "dummy weights, bf16, CUDA graphs, max_model_len 4096; mean of two processes "
-            "each (order A B B A); throughput: 256 requests, in/out U[100, 1024], top-p 0.95",
+            "each (order A B B A); throughput: 256 requests, in/out U[100, 1024], top-p 0.95; "
+            f"decode: batches {args.batches}, 128-token prompts, 256 new tokens",
         },
         table,
     )

@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import jsonschema
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -66,6 +65,8 @@ COMPILE_SCHEMAS = {
 
 
 def _is_valid(text: str) -> bool:
+    import jsonschema  # here, not at the top: profile_step imports this module's schemas on a GPU machine without it
+
     try:
         jsonschema.validate(json.loads(text), SCHEMA)
     except (ValueError, jsonschema.ValidationError):

@@ -7,6 +7,11 @@ rows of W in BLOCK_K-wide tiles (contiguous, pipelined loads), so the whole GPU 
 
 - `gemv`, one row: multiply-adds into a [BLOCK_N, BLOCK_K] fp32 accumulator reduced once at the end;
 - `few_rows_matmul`, up to FEW_ROWS rows: tensor-core dots of the rows (padded to 16) against each weight tile.
+
+The one-row kernel can also take the op before the product into its loads of x, so that a batch-1 decode step
+launches fewer small elementwise kernels (each a launch and a few microseconds): `rms_norm_gemv` (the residual add
+and RMSNorm that open an attention or MLP block, before q|k|v or gate|up) and `silu_and_mul_gemv` (SwiGLU before
+down_proj).
 """
 
 from __future__ import annotations
@@ -20,16 +25,64 @@ import triton.language as tl
 FEW_ROWS = 16  # the most rows `few_rows_matmul` serves faster than cuBLAS (H200 sweep of 2026-12-04)
 
 
+# What a kernel computes from its input before the product (`_input_tile`): nothing; RMSNorm of x + residual;
+# SwiGLU's silu(gate) * up of x = gate | up.
+PLAIN = tl.constexpr(0)
+RMS_NORM = tl.constexpr(1)
+SILU_MUL = tl.constexpr(2)
+
+
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, out_ptr, N, K, stride_w, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _block_input(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
+    """x + residual, rounded to x's dtype (the residual stream's next value), or x."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        x = x + tl.load(res_ptr + cols, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def _input_tile(x_ptr, res_ptr, norm_ptr, cols, mask, K, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """The product's input at `cols`, rounded as the separate kernels round it (rmsnorm.py, activation.py), so the
+    fused product is theirs: x; rms_norm(x + residual), given the row's 1/rms `rstd`; silu(gate) * up of
+    x = gate | up."""
+    if PROLOGUE == SILU_MUL:
+        gate = tl.load(x_ptr + cols, mask=mask, other=0.0)
+        up = tl.load(x_ptr + cols + K, mask=mask, other=0.0)
+        gate_f = gate.to(tl.float32)
+        tile = (gate_f / (1.0 + tl.exp(-gate_f))).to(gate.dtype) * up
+    else:
+        tile = _block_input(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL)
+        if PROLOGUE == RMS_NORM:
+            normed = (tile.to(tl.float32) * rstd).to(tile.dtype)
+            tile = tl.load(norm_ptr + cols, mask=mask, other=0.0) * normed
+    return tile
+
+
+@triton.jit
+def _gemv_kernel(
+    x_ptr, w_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, N, K, stride_w, eps,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_ROW: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
+    rstd = 1.0
+    if PROLOGUE == RMS_NORM:  # a first pass over the whole row (a few KB, from L2) in one tile: its 1/rms
+        row = tl.arange(0, BLOCK_ROW)
+        row_mask = row < K
+        whole = _block_input(x_ptr, res_ptr, row, row_mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + row, whole, mask=row_mask & (pid == 0))
+        whole_f = whole.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         c_mask = cols < K
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=c_mask, other=0.0)
+        x = _input_tile(x_ptr, res_ptr, norm_ptr, cols, c_mask, K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_mask)
 
@@ -95,22 +148,56 @@ def few_rows_tiles(n: int) -> Tiles:
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:
     """x [1, K] @ weight[N, K]^T -> [1, N], in x's dtype."""
+    return _gemv(x, weight, tiles, PLAIN)[0]
+
+
+def rms_norm_gemv(
+    x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rms_norm(x, norm_weight, eps, residual)`'s output @ weight^T, and x + residual, for one row
+    (x [1, K]) in one launch: each program first takes the whole row's 1/rms, then normalizes as it loads."""
+    return _gemv(x, weight, None, RMS_NORM, residual, norm_weight, eps)
+
+
+def silu_and_mul_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`reference.silu_and_mul(x)` @ weight^T for one row (x [1, 2K]: gate | up) in one launch."""
+    return _gemv(x, weight, None, SILU_MUL)[0]
+
+
+def _gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tiles: Tiles | None,
+    prologue: tl.constexpr,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The product, and the new residual (x + residual; x itself without one). x and residual contiguous."""
     n, k = weight.shape
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(x)
     t = tiles or gemv_tiles(n, k)
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x,
         weight,
         out,
+        x if residual is None else residual,  # unread without a residual
+        residual_out,
+        x if norm_weight is None else norm_weight,  # unread without a norm
         n,
         k,
         weight.stride(0),
+        eps,
         BLOCK_N=t.block_n,
         BLOCK_K=min(t.block_k, triton.next_power_of_2(k)),
+        PROLOGUE=prologue.value,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROW=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
-    return out
+    return out, residual_out
 
 
 def few_rows_matmul(x: torch.Tensor, weight: torch.Tensor, tiles: Tiles | None = None) -> torch.Tensor:

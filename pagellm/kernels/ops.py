@@ -40,6 +40,22 @@ class Ops(Protocol):
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
+    def rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(linear(rms_norm(x + residual)), x + residual): a pre-norm block's norm and first projection."""
+        ...
+
+    def silu_and_mul_linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
     def grouped_linear(
         self,
         x: torch.Tensor,
@@ -91,6 +107,13 @@ class TorchOps:
         if weight.is_mkldnn:  # dense in, dense out; the op torch.compile uses for frozen CPU linears
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
+
+    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(normed, weight, bias), residual
+
+    def silu_and_mul_linear(self, x, weight, bias=None):
+        return self.linear(self.silu_and_mul(x), weight, bias)
 
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
         return reference.weight_only_matmul(x, qweight, scales, offsets, bits, group_size, bias)
@@ -153,11 +176,29 @@ class TritonOps:
     def linear(self, x, weight, bias=None):
         """The half-precision rows of decode steps (up to FEW_ROWS) go through the GEMV kernels, which stream the
         weight faster than cuBLAS does for a few rows."""
-        if x.dim() == 2 and 0 < x.shape[0] <= self._gemv.FEW_ROWS and bias is None and x.dtype in HALF_DTYPES:
+        if self._decode_rows(x, bias):
             if x.shape[0] == 1:
                 return self._gemv.gemv(x.contiguous(), weight)
             return self._gemv.few_rows_matmul(x.contiguous(), weight)
         return F.linear(x, weight, bias)
+
+    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        """One decode row normalizes inside the GEMV's loads (one launch instead of two). Not 2-16 rows: fused
+        likewise into `few_rows_matmul`, the H100 decoded batch 16 at half the speed (ab-fused-gemv-2026-12-06)."""
+        if self._decode_rows(x, bias) and x.shape[0] == 1:
+            residual = None if residual is None else residual.contiguous()
+            return self._gemv.rms_norm_gemv(x.contiguous(), residual, norm_weight, eps, weight)
+        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(normed, weight, bias), residual
+
+    def silu_and_mul_linear(self, x, weight, bias=None):
+        """One decode row applies SwiGLU inside the GEMV's loads (one launch instead of two)."""
+        if self._decode_rows(x, bias) and x.shape[0] == 1:
+            return self._gemv.silu_and_mul_gemv(x.contiguous(), weight)
+        return self.linear(self.silu_and_mul(x), weight, bias)
+
+    def _decode_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        return x.dim() == 2 and 0 < x.shape[0] <= self._gemv.FEW_ROWS and bias is None and x.dtype in HALF_DTYPES
 
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
         """Up to GROUPED_FUSED_ROWS rows dequantize in the matmul's loop; more rows dequantize once and use cuBLAS

@@ -59,6 +59,22 @@ class Linear(nn.Module):
             return self.method.apply(self, x, self.bias)
         return self.ops.linear(x, self.weight, self.bias)
 
+    def after_norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """self(norm(x + residual)) and x + residual: one fused op where the weight is plain (decode rows on the
+        GPU run one kernel)."""
+        if self.method is None:
+            return self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
+        hidden, residual = norm(x, residual)
+        return self(hidden), residual
+
+    def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """self(silu(gate) * up) of x = gate | up, fused likewise."""
+        if self.method is None:
+            return self.ops.silu_and_mul_linear(x, self.weight, self.bias)
+        return self(self.ops.silu_and_mul(x))
+
     def shard_rows(self, shard: int | None) -> slice:
         """The output rows that checkpoint shard `shard` of a merged layer fills (all of them for a plain one)."""
         return slice(None)
@@ -174,8 +190,12 @@ class MLP(nn.Module):
         self.ops = ops
         self.tp = tp
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x))))
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for the input norm(x + residual), and x + residual."""
+        gate_up, residual = self.gate_up_proj.after_norm(norm, x, residual)
+        return self.tp.all_reduce(self.down_proj.after_silu_and_mul(gate_up)), residual
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -58,16 +58,24 @@ class LlamaAttention(nn.Module):
         self.tp = tp
 
     def forward(
-        self, positions: torch.Tensor, hidden: torch.Tensor, cache: LayerKVCache, metadata: AttentionMetadata
-    ) -> torch.Tensor:
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm: RMSNorm,
+        cache: LayerKVCache,
+        metadata: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block's output for the input norm(hidden + residual), and hidden + residual."""
         num_tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv, residual = self.qkv_proj.after_norm(norm, hidden, residual)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalizes each head before RoPE
         out = self.backend.forward(q, k, v, cache, metadata, self.scale)
-        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1)))
+        return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1))), residual
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -94,10 +102,8 @@ class LlamaDecoderLayer(nn.Module):
         cache: LayerKVCache,
         metadata: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden, residual = self.self_attn(positions, hidden, residual, self.input_layernorm, cache, metadata)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -145,11 +151,12 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     @contextlib.contextmanager
-    def first_layer_only(self) -> Iterator[None]:
-        """The forward cut to its first decoder layer, for passes that only need each kernel launched once: every
-        layer launches the same kernels on tensors of the same shapes."""
+    def first_layers_only(self) -> Iterator[None]:
+        """The forward cut to its first two decoder layers, for passes that only need each kernel launched once:
+        the first layer's attention block has no residual to add, and from the second on every layer launches the
+        same kernels on tensors of the same shapes."""
         layers = self.layers
-        self.layers = layers[:1]
+        self.layers = layers[:2]
         try:
             yield
         finally:

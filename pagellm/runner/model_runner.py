@@ -171,8 +171,8 @@ class ModelRunner:
         all at once, and while the weights load (see `compile_ahead`): those of the longest step (a prefill chunk
         beside decodes) and of a short prefill chunk, of one-row steps (the GEMV), of sampling (no logprobs: they
         would index with samples never computed), and of pure-decode steps: of every CUDA-graph batch size, or in
-        eager mode of one batch per size class of the decode kernels. The passes run the first decoder layer
-        only, on weights not loaded yet."""
+        eager mode of one batch per size class of the decode kernels. The passes run the first two decoder
+        layers only, on weights not loaded yet."""
         if self.device.type != "cuda":
             return None
         from pagellm.kernels.compile_ahead import compile_ahead
@@ -183,7 +183,7 @@ class ModelRunner:
             decode_batches = sorted({1, min(cfg.max_num_seqs, SMALL_BATCH + 1)})
         else:
             decode_batches = capture_sizes(cfg.max_num_seqs)
-        with compile_ahead() as compilation, self.model.first_layer_only():
+        with compile_ahead() as compilation, self.model.first_layers_only():
             self._warmup(self._longest_rows(), COMPILE_SAMPLING)  # the sampling kernels do not vary with row count
             for num_tokens in (16, 1):
                 self._warmup([self._dummy_row(num_tokens)], ())

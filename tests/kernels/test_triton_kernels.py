@@ -12,7 +12,7 @@ from pagellm.kernels import reference
 from pagellm.kernels.activation import silu_and_mul
 from pagellm.kernels.bitmask import apply_token_bitmask
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
-from pagellm.kernels.gemv import FEW_ROWS, Tiles, few_rows_matmul, gemv
+from pagellm.kernels.gemv import FEW_ROWS, Tiles, few_rows_matmul, gemv, rms_norm_gemv, silu_and_mul_gemv
 from pagellm.kernels.kv_write import write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
 from pagellm.kernels.rmsnorm import rms_norm
@@ -258,6 +258,34 @@ def test_few_rows_matmul(dtype, m, n, k, tiles):
     out = few_rows_matmul(x, weight, tiles)
     assert out.shape == (m, n) and out.dtype == dtype
     assert rel_err(out, x.double() @ weight.double().T) < TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(37, 300), (1000, 64), (16400, 520)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_gemv(dtype, n, k, with_residual):
+    """The norm fused into the GEMV's loads against the twin's two steps: normalize (x + residual), multiply."""
+    gen = torch.Generator().manual_seed(n + k + with_residual)
+    x = (3 * torch.randn(1, k, generator=gen)).to(DEVICE, dtype)
+    residual = torch.randn(1, k, generator=gen).to(DEVICE, dtype) if with_residual else None
+    norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(DEVICE, dtype)
+    weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    normed, ref_residual = reference.rms_norm(x, norm_weight, 1e-5, residual)
+    out, new_residual = rms_norm_gemv(x, residual, norm_weight, 1e-5, weight)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, normed.double() @ weight.double().T) < TOL[dtype]
+    assert torch.equal(new_residual, ref_residual)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k", [(37, 300), (1000, 64), (16400, 520)])
+def test_silu_and_mul_gemv(dtype, n, k):
+    gen = torch.Generator().manual_seed(n + k)
+    x = (2 * torch.randn(1, 2 * k, generator=gen)).to(DEVICE, dtype)
+    weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    out = silu_and_mul_gemv(x, weight)
+    assert out.shape == (1, n) and out.dtype == dtype
+    assert rel_err(out, reference.silu_and_mul(x).double() @ weight.double().T) < TOL[dtype]
 
 
 def test_few_rows_matmul_rejects_more_rows():
