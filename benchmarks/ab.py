@@ -31,10 +31,11 @@ from benchmarks.latency import decode_rate
 from benchmarks.models import model_dir
 from benchmarks.throughput import workload
 name, throughput, batches = sys.argv[1], sys.argv[2] == "1", [int(b) for b in sys.argv[3].split(",")]
+quantization = None if sys.argv[4] == "none" else sys.argv[4]
 path, out = model_dir(name), {}
 if throughput:
     prompts, out_lens = workload(256)
-    llm = LLM(path, load_format="dummy", max_model_len=4096, quiet=True)
+    llm = LLM(path, load_format="dummy", max_model_len=4096, quantization=quantization, quiet=True)
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=n, ignore_eos=True) for n in out_lens]
     llm.generate(prompts[:8], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -42,19 +43,28 @@ if throughput:
     out["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     del llm
     import gc, torch; gc.collect(); torch.cuda.empty_cache()
-llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quiet=True)
+llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quantization=quantization, quiet=True)
 for batch in batches:
     out[f"b{batch}_tok_s"] = decode_rate(llm, batch, 128, 256)[0]
 print("RESULT " + json.dumps(out))
 """
 
 
-def measure(tree: Path, model: str, throughput: bool, batches: list[int]) -> dict:
+def measure(tree: Path, model: str, throughput: bool, batches: list[int], quantization: str) -> dict:
     env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
     proc = subprocess.run(
         # -P: `python -c` would put the working directory (this tree) on sys.path ahead of PYTHONPATH, so that the
         # baseline's side imported this tree's pagellm too.
-        [sys.executable, "-P", "-c", CHILD, model, "1" if throughput else "0", ",".join(map(str, batches))],
+        [
+            sys.executable,
+            "-P",
+            "-c",
+            CHILD,
+            model,
+            "1" if throughput else "0",
+            ",".join(map(str, batches)),
+            quantization,
+        ],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -72,6 +82,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
     parser.add_argument("--throughput-models", nargs="+", default=["Qwen3-0.6B"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1], help="decode batch sizes to time")
+    parser.add_argument("--quantization", default="none", help="none, fp8, awq, gptq: both sides' weights")
     parser.add_argument("--name", default="ab", help="results file name (before the date)")
     args = parser.parse_args()
     trees = {"a": Path(args.baseline).resolve(), "b": ROOT}
@@ -79,7 +90,7 @@ def main() -> None:
     for model in args.models:
         for side in "abba":
             start = time.perf_counter()
-            result = measure(trees[side], model, model in args.throughput_models, args.batches)
+            result = measure(trees[side], model, model in args.throughput_models, args.batches, args.quantization)
             runs.setdefault((model, side), []).append(result)
             print(f"{model} {side}: {result} ({time.perf_counter() - start:.0f} s)", flush=True)
     rows = []
@@ -106,6 +117,7 @@ def main() -> None:
             "rows": rows,
             "a": args.label_a,
             "b": args.label_b,
+            "quantization": args.quantization,
             "note": "dummy weights, bf16, CUDA graphs, max_model_len 4096; mean of two processes "
             "each (order A B B A); throughput: 256 requests, in/out U[100, 1024], top-p 0.95; "
             f"decode: batches {args.batches}, 128-token prompts, 256 new tokens",

@@ -42,7 +42,7 @@ def compile_for_sm90(kernel: JITFunction, args: tuple, kwargs: dict) -> triton.c
     multiples of 16 as divisible) by Triton's own rules."""
     from triton._C.libtriton import native_specialize_impl
 
-    options = {k: kwargs.pop(k) for k in list(kwargs) if k in ("num_warps", "num_stages", "maxnreg")}
+    options = {k: kwargs.pop(k) for k in list(kwargs) if k in ("num_warps", "num_stages", "maxnreg", "launch_pdl")}
     bound = kernel.signature.bind(*args, **kwargs)
     signature, constants, attrs = {}, {}, {}
     for i, (param, (name, value)) in enumerate(zip(kernel.params, bound.arguments.items())):

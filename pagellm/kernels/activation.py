@@ -6,11 +6,14 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, n_cols, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -28,7 +31,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     n_cols = width // 2
     out = torch.empty(rows, n_cols, dtype=x.dtype, device=x.device)
     if rows:
+        pdl = launch_early(x, rows)
         _silu_and_mul_kernel[(rows, triton.cdiv(n_cols, BLOCK))](
-            x, out, x.stride(0), out.stride(0), n_cols, BLOCK=BLOCK
+            x, out, x.stride(0), out.stride(0), n_cols, BLOCK=BLOCK, PDL=pdl, launch_pdl=pdl
         )
     return out

@@ -30,6 +30,7 @@ from pagellm.kernels.paged_kv import (
     split_query_int8,
     tile_scores,
 )
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
 
 # Tiles and pipelining picked by benchmarks/decode_sweep.py on the H200 (results/decode_sweep-*.json).
 # Context tokens per tile, by (K/V are int8, the batch is small).
@@ -99,7 +100,9 @@ def _decode_partial_kernel(
     IEEE: tl.constexpr,
     ASM_CVT: tl.constexpr,
     INT8_DOT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)  # before the empty splits' return too: every program waits
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -192,7 +195,9 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     # All splits in one tile (BLOCK_S >= the grid's splits): one round of loads, not a loop of dependent ones.
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -245,6 +250,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     block_size = key_cache.shape[1]
     block_n = max(block_n, block_size) if block_n else decode_tile(kv_int8, batch, block_size)
+    pdl = launch_early(q, batch)
     if split_size <= block_n:
         num_stages = 1  # one tile per program: nothing to pipeline, and a pipeline's prologue costs time
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
@@ -281,6 +287,8 @@ def paged_decode_attention(
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=INT8_DOT_REGISTERS if int8_dot else None,
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     _decode_merge_kernel[(batch, num_heads)](
         part_out,
@@ -298,5 +306,7 @@ def paged_decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_S=triton.next_power_of_2(num_splits),
+        PDL=pdl,
+        launch_pdl=pdl,
     )
     return out

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
+
 FEW_ROWS = 16  # the most rows `few_rows_matmul` serves faster than cuBLAS (H200 sweep of 2026-12-04)
 
 
@@ -63,11 +65,17 @@ def _input_tile(x_ptr, res_ptr, norm_ptr, cols, mask, K, rstd, PROLOGUE: tl.cons
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, N, K, stride_w, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-    BLOCK_ROW: tl.constexpr,
+    BLOCK_ROW: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
+    # The first weight tile is loaded before waiting: no kernel writes weights, so under PDL these loads overlap
+    # the kernel before this one.
+    cols = tl.arange(0, BLOCK_K)
+    c_mask = cols < K
+    w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
+    wait_for_inputs(PDL)
     rstd = 1.0
     if PROLOGUE == RMS_NORM:  # a first pass over the whole row (a few KB, from L2) in one tile: its 1/rms
         row = tl.arange(0, BLOCK_ROW)
@@ -77,8 +85,9 @@ def _gemv_kernel(
             tl.store(res_out_ptr + row, whole, mask=row_mask & (pid == 0))
         whole_f = whole.to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)  # reduced once at the end, not per tile
-    for k0 in range(0, K, BLOCK_K):
+    x = _input_tile(x_ptr, res_ptr, norm_ptr, cols, c_mask, K, rstd, PROLOGUE, HAS_RESIDUAL)
+    acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # reduced once at the end, not per tile
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         c_mask = cols < K
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
@@ -178,6 +187,7 @@ def _gemv(
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x)
     t = tiles or gemv_tiles(n, k)
+    pdl = launch_early(x, 1)
     _gemv_kernel[(triton.cdiv(n, t.block_n),)](
         x,
         weight,
@@ -194,8 +204,10 @@ def _gemv(
         PROLOGUE=prologue.value,
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROW=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
+        PDL=pdl,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
+        launch_pdl=pdl,
     )
     return out, residual_out
 

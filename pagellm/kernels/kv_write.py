@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from pagellm.kernels.paged_kv import kv_strides
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
 
 
 @triton.jit
@@ -37,7 +38,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)  # before the padding tokens' return too: every program waits
     token = tl.program_id(0)
     head = tl.program_id(1)
     slot = tl.load(slot_ptr + token)
@@ -84,6 +87,7 @@ def write_kv(
     quant = key_cache.dtype == torch.int8
     scale_k = key_scale if quant else key_cache  # unused pointers when not quantizing
     scale_v = value_scale if quant else value_cache
+    pdl = launch_early(key, num_tokens)
     _write_kv_kernel[(num_tokens, num_heads)](
         key,
         value,
@@ -101,4 +105,6 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_D=triton.next_power_of_2(head_dim),
         QUANT=quant,
+        PDL=pdl,
+        launch_pdl=pdl,
     )

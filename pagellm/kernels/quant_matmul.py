@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from pagellm.kernels.paged_kv import asm_conversions
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
 
 
 @triton.jit
@@ -120,10 +121,11 @@ def _biased_int4_tile(
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """One activation row: multiply-adds into a [BLOCK_N, BLOCK_K] accumulator reduced once at the end, as the
     bf16 GEMV does, on weight tiles dequantized in registers."""
+    wait_for_inputs(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
@@ -220,43 +222,73 @@ def _packed_x_bytes(xq, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 
 @triton.jit
+def _int4_weight_tile(
+    w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, stride_w, stride_s, GROUP: tl.constexpr, WORDS: tl.constexpr
+):  # fmt: skip
+    """The words of weight rows `rows` from column k0 (8 * WORDS columns) and the fp32 scales and offsets of their
+    32-column groups."""
+    word_cols = k0 // 8 + tl.arange(0, WORDS)
+    words = tl.load(
+        w_ptr + rows[:, None] * stride_w + word_cols[None, :],
+        mask=r_mask[:, None] & (word_cols < K // 8)[None, :],
+        other=0,
+    )
+    x_groups = k0 // 32 + tl.arange(0, WORDS // 4)
+    g_mask = r_mask[:, None] & (x_groups < K // 32)[None, :]
+    groups = rows[:, None] * stride_s + (x_groups // (GROUP // 32))[None, :]
+    scale = tl.load(scale_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+    offset = tl.load(offset_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
+    return words, scale, offset
+
+
+@triton.jit
+def _int4_tile_sums(
+    words, scale, offset, x_ptr, k0, K, ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr
+):  # fmt: skip
+    """Each row's products with x over the tile's 32-column groups [BLOCK_N, WORDS / 4] (see `_int4_gemv_kernel`)."""
+    XG: tl.constexpr = WORDS // 4
+    x_groups = k0 // 32 + tl.arange(0, XG)
+    xg_mask = x_groups < K // 32
+    x_offs = 32 * x_groups[:, None] + tl.arange(0, 32)[None, :]
+    x = tl.load(x_ptr + x_offs, mask=xg_mask[:, None], other=0.0).to(tl.float32)  # [XG, 32]
+    x_max = tl.max(tl.abs(x), axis=1)
+    v = x * (127.0 / tl.where(x_max > 0, x_max, 1.0))[:, None]  # all-zero groups stay zero
+    hi = _round_to_int(v)
+    lo = _round_to_int((v - hi.to(tl.float32)) * 254.0)  # the rounding error, |v - hi| <= 1/2, to 1/254
+    hi_even, hi_odd = _packed_x_bytes(hi, BLOCK_N, WORDS)
+    lo_even, lo_odd = _packed_x_bytes(lo, BLOCK_N, WORDS)
+    dot = _int4_x16_dot(words, hi_even, hi_odd, lo_even, lo_odd, ASM)
+    dot = tl.sum(tl.reshape(dot, (BLOCK_N, XG, 4)), axis=2)  # below 2**24 in magnitude: exact in fp32
+    x_scale = (x_max / (127.0 * 254.0))[None, :]
+    return dot.to(tl.float32) * x_scale * scale + offset * tl.sum(x, axis=1)[None, :]
+
+
+@triton.jit
 def _int4_gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     """One activation row over INT4 words, in integers. x is taken per 32 columns as 254 * hi + lo: hi its int8
     rounding (absmax to 127) and lo that rounding's error in 1/254ths, so x keeps ~15 bits against its group's
     absmax, finer than its own bf16 rounding. Each word's eight values meet both parts in four dp4a; four words'
     sums make a 32-column integer dot (exact), scaled by x's scale and the weight group's, and the offset term
     (w = q * scale + offset) meets the exact sum of x's 32 columns. Every program quantizes the x tile it reads
-    (L2 hits, shared by BLOCK_N rows): on the H200 a variant with no x work at all was no faster."""
-    XG: tl.constexpr = WORDS // 4  # 32-column x groups per iteration
+    (L2 hits, shared by BLOCK_N rows): on the H200 a variant with no x work at all was no faster. Each iteration
+    loads the words and scales before x, so that their round trips overlap; the first tile's are loaded before
+    waiting for the kernel before (weights are written by no kernel; under PDL they overlap it)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
-    acc = tl.zeros([BLOCK_N, XG], tl.float32)
-    for k0 in range(0, K, 8 * WORDS):
-        # Every load first, so the scales' and x's round trips overlap the words' instead of following them.
-        word_cols = k0 // 8 + tl.arange(0, WORDS)
-        mask = r_mask[:, None] & (word_cols < K // 8)[None, :]
-        words = tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
-        x_groups = k0 // 32 + tl.arange(0, XG)
-        xg_mask = x_groups < K // 32
-        g_mask = r_mask[:, None] & xg_mask[None, :]
-        groups = rows[:, None] * stride_s + (x_groups // (GROUP // 32))[None, :]
-        scale = tl.load(scale_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
-        offset = tl.load(offset_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
-        x_offs = 32 * x_groups[:, None] + tl.arange(0, 32)[None, :]
-        x = tl.load(x_ptr + x_offs, mask=xg_mask[:, None], other=0.0).to(tl.float32)  # [XG, 32]
-        x_max = tl.max(tl.abs(x), axis=1)
-        v = x * (127.0 / tl.where(x_max > 0, x_max, 1.0))[:, None]  # all-zero groups stay zero
-        hi = _round_to_int(v)
-        lo = _round_to_int((v - hi.to(tl.float32)) * 254.0)  # the rounding error, |v - hi| <= 1/2, to 1/254
-        hi_even, hi_odd = _packed_x_bytes(hi, BLOCK_N, WORDS)
-        lo_even, lo_odd = _packed_x_bytes(lo, BLOCK_N, WORDS)
-        dot = _int4_x16_dot(words, hi_even, hi_odd, lo_even, lo_odd, ASM)
-        dot = tl.sum(tl.reshape(dot, (BLOCK_N, XG, 4)), axis=2)  # below 2**24 in magnitude: exact in fp32
-        x_scale = (x_max / (127.0 * 254.0))[None, :]
-        acc += dot.to(tl.float32) * x_scale * scale + offset * tl.sum(x, axis=1)[None, :]
+    words, scale, offset = _int4_weight_tile(
+        w_ptr, scale_ptr, offset_ptr, rows, r_mask, 0, K, stride_w, stride_s, GROUP, WORDS
+    )
+    wait_for_inputs(PDL)
+    acc = _int4_tile_sums(words, scale, offset, x_ptr, 0, K, ASM, BLOCK_N, WORDS)
+    for k0 in range(8 * WORDS, K, 8 * WORDS):
+        words, scale, offset = _int4_weight_tile(
+            w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, stride_w, stride_s, GROUP, WORDS
+        )
+        acc += _int4_tile_sums(words, scale, offset, x_ptr, k0, K, ASM, BLOCK_N, WORDS)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
@@ -405,6 +437,7 @@ def weight_only_matmul(
         if m != 1:
             raise ValueError(f"one-row tiles (block_m 1) given {m} rows")
         grid = (triton.cdiv(n, t.block_n),)
+        pdl = launch_early(x, 1)
         if bits == 4 and group_size % 32 == 0 and k % 32 == 0:  # whole 32-column x groups in each group
             _int4_gemv_kernel[grid](
                 x,
@@ -422,11 +455,16 @@ def weight_only_matmul(
                 ASM=asm_conversions(x),
                 BLOCK_N=t.block_n,
                 WORDS=max(t.block_k // 8, 1),
+                PDL=pdl,
                 num_warps=t.num_warps,
                 num_stages=t.num_stages,
+                launch_pdl=pdl,
             )
             return out
-        _gemv_kernel[grid](x, weight, scales, offsets, bias, out, n, k, weight.stride(0), scales.stride(0), **common)
+        _gemv_kernel[grid](
+            x, weight, scales, offsets, bias, out, n, k, weight.stride(0), scales.stride(0), PDL=pdl, launch_pdl=pdl,
+            **common,
+        )  # fmt: skip
         return out
     _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
         x,

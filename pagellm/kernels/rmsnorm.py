@@ -7,6 +7,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
+
 
 @triton.jit
 def _rms_norm_kernel(
@@ -23,7 +25,9 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     mask = cols < n_cols
@@ -53,6 +57,7 @@ def rms_norm(
         res_out = torch.empty_like(x2)
     rows, n_cols = x2.shape
     if rows:
+        pdl = launch_early(x, rows)
         _rms_norm_kernel[(rows,)](
             x2,
             res2,
@@ -67,5 +72,7 @@ def rms_norm(
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK_N=triton.next_power_of_2(n_cols),
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return out.view(shape), res_out.view(shape) if residual is not None else x

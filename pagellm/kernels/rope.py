@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
+
 
 @triton.jit
 def _rotate_heads(
@@ -66,7 +68,9 @@ def _rope_kernel(
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
     pos = tl.load(pos_ptr + token)
     d = tl.arange(0, BLOCK_HALF)[None, :]
@@ -95,6 +99,7 @@ def apply_rope_(
     half = head_dim // 2
     norm = q_norm is not None
     if num_tokens:
+        pdl = launch_early(q, num_tokens)
         _rope_kernel[(num_tokens,)](
             q,
             k,
@@ -115,5 +120,7 @@ def apply_rope_(
             BLOCK_HQ=triton.next_power_of_2(num_q_heads),
             BLOCK_HK=triton.next_power_of_2(k.shape[1]),
             NORM=norm,
+            PDL=pdl,
+            launch_pdl=pdl,
         )
     return q, k

@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.pdl import launch_early, wait_for_inputs
 from pagellm.kernels.reference import SAMPLE_MAX_ROUNDS as MAX_ROUNDS
 
 CHUNK = 8192  # vocabulary entries per program of the first kernel
@@ -41,7 +42,9 @@ def _chunk_stats_kernel(
     num_chunks,
     CHUNK: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
@@ -116,7 +119,9 @@ def _sample_kernel(
     CHUNK: tl.constexpr,
     BLOCK_C: tl.constexpr,
     ALL_GREEDY: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK_C)
     c_mask = chunks < num_chunks
@@ -234,6 +239,7 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, ...] | None) -
     chunk_argmax = torch.empty(rows, num_chunks, dtype=torch.int32, device=logits.device)
     all_greedy = row_params is None
     inv_temperature, greedy, top_p, seeds = (logits,) * 4 if all_greedy else row_params  # unread when all greedy
+    pdl = launch_early(logits, rows)
     _chunk_stats_kernel[(rows, num_chunks)](
         logits,
         logits.stride(0),
@@ -245,7 +251,9 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, ...] | None) -
         num_chunks,
         CHUNK=chunk,
         ALL_GREEDY=all_greedy,
+        PDL=pdl,
         num_warps=8,
+        launch_pdl=pdl,
     )
     _sample_kernel[(rows,)](
         logits,
@@ -264,6 +272,8 @@ def _launch(logits: torch.Tensor, row_params: tuple[torch.Tensor, ...] | None) -
         CHUNK=chunk,
         BLOCK_C=triton.next_power_of_2(num_chunks),
         ALL_GREEDY=all_greedy,
+        PDL=pdl,
         num_warps=16,
+        launch_pdl=pdl,
     )
     return out

@@ -62,3 +62,73 @@ def test_fused_gemv_kernels_compile_for_sm90():
     reports = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(reports) == 4
     assert all(report["spilled_bytes"] == 0 for report in reports)
+
+
+# Every kernel of a batch-1 decode step as a PDL launch (what `pdl.launch_early` picks on an sm90 GPU), compiled
+# for sm_90: each program must wait for the kernel before it (griddepcontrol.wait), then release the next one.
+PDL_LAUNCHES = """
+import json, sys
+from unittest import mock
+import torch
+from triton.runtime.jit import JITFunction
+sys.path.insert(0, sys.argv[1])
+from benchmarks.sm90_report import compile_for_sm90, resources
+from pagellm.kernels import activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, rope, sampling
+
+reports = []
+def intercept(self, *args, grid, warmup, **kwargs):
+    compiled = compile_for_sm90(self, args, kwargs)
+    ptx = compiled.asm["ptx"]
+    reports.append({
+        "kernel": self.fn.__name__,
+        "pdl": compiled.metadata.launch_pdl,
+        "waits": "griddepcontrol.wait" in ptx,
+        "releases": "griddepcontrol.launch_dependents" in ptx,
+        **resources(compiled),
+    })
+
+bf = torch.bfloat16
+modules = [activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, rope, sampling]
+x, w, norm = torch.zeros(1, 1024, dtype=bf), torch.zeros(4096, 1024, dtype=bf), torch.zeros(1024, dtype=bf)
+q, k = torch.zeros(1, 16, 128, dtype=bf), torch.zeros(1, 8, 128, dtype=bf)
+cache = torch.zeros(64, 16, 8, 128, dtype=bf)
+words, scales = torch.zeros(4096, 128, dtype=torch.int32), torch.zeros(4096, 8, dtype=bf)
+with mock.patch.object(JITFunction, "run", intercept):
+    for module in modules:
+        mock.patch.object(module, "launch_early", lambda t, tokens: tokens == 1).start()
+    gemv.gemv(x, w)
+    gemv.rms_norm_gemv(x, x.clone(), norm, 1e-6, w)
+    quant_matmul.weight_only_matmul(x, words, scales, scales, 4, 128)
+    quant_matmul.weight_only_matmul(x, w.to(torch.float8_e4m3fn), torch.zeros(4096), None, 8, 0)
+    rmsnorm.rms_norm(x, norm, 1e-6, x)
+    activation.silu_and_mul(torch.zeros(1, 2048, dtype=bf))
+    rope.apply_rope_(q, k, torch.zeros(1, dtype=torch.long), torch.zeros(64, 128), norm[:128], norm[:128], 1e-6)
+    kv_write.write_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.long))
+    decode_attention.paged_decode_attention(
+        q, cache, cache, torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1, 1024, 64
+    )
+    sampling.argmax_rows(torch.zeros(1, 32768, dtype=bf))
+print(json.dumps(reports))
+"""
+
+
+def test_batch1_decode_kernels_compile_as_pdl_launches_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", PDL_LAUNCHES, str(ROOT)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    assert {r["kernel"] for r in reports} == {
+        "_gemv_kernel",
+        "_int4_gemv_kernel",
+        "_rms_norm_kernel",
+        "_silu_and_mul_kernel",
+        "_rope_kernel",
+        "_write_kv_kernel",
+        "_decode_partial_kernel",
+        "_decode_merge_kernel",
+        "_chunk_stats_kernel",
+        "_sample_kernel",
+    }
+    for report in reports:
+        assert report["pdl"] and report["waits"] and report["releases"], report
+        assert report["spilled_bytes"] == 0, report
