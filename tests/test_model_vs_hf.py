@@ -178,3 +178,6 @@ def test_smollm2_allowed_token_ids_like_hf(smollm2_llm, hf_smollm2):
         smollm2_llm.generate(prompt, SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
     with pytest.raises(InvalidParameter, match="allowed_token_ids"):
         SamplingParams(allowed_token_ids=[])
+    only = smollm2_llm.tokenizer.encode(" Paris", add_special_tokens=False)
+    with pytest.raises(InvalidParameter, match="bad_words: they ban every token of allowed_token_ids"):
+        smollm2_llm.generate(prompt, SamplingParams(allowed_token_ids=only, bad_words=["Paris"]), use_tqdm=False)

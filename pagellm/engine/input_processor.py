@@ -98,6 +98,10 @@ class InputProcessor:
             all_stop_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
+        banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
+        if params.allowed_token_ids and banned.issuperset(params.allowed_token_ids):
+            # Every logit would be -inf: no token could be sampled.
+            raise InvalidParameter("bad_words", "bad_words: they ban every token of allowed_token_ids")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         grammar = None

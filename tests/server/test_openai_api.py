@@ -162,6 +162,8 @@ def test_allowed_token_ids_and_bad_words_through_the_client(client, server):
     assert len(ids) == 6 and set(ids) <= set(allowed)
     with pytest.raises(BadRequestError, match="allowed_token_ids"):
         client.completions.create(**prompt, extra_body={"allowed_token_ids": [10**7]})
+    with pytest.raises(BadRequestError, match="bad_words: they ban every token of allowed_token_ids"):
+        client.completions.create(**prompt, extra_body={"allowed_token_ids": allowed[:1], "bad_words": ["red"]})
 
 
 def test_continuous_usage_stats_count_each_choice_so_far(client):
