@@ -119,6 +119,18 @@ def test_bad_grammars_queue_nothing(smollm2_llm):
         smollm2_llm.generate("x", odd, use_tqdm=False)
 
 
+def test_allowed_tokens_that_no_output_of_the_grammar_opens_with_are_refused(smollm2_llm):
+    """Every logit of the first step would be -inf: before, token 0 was drawn, outside both constraints."""
+    (b,) = smollm2_llm.tokenizer.encode("b", add_special_tokens=False)
+    (a,) = smollm2_llm.tokenizer.encode("a", add_special_tokens=False)
+    only_a = StructuredOutputsParams(regex="a+")
+    with pytest.raises(InvalidParameter, match="allowed_token_ids: the structured output can start with none"):
+        smollm2_llm.generate("x", SamplingParams(allowed_token_ids=[b], structured_outputs=only_a), use_tqdm=False)
+    assert not smollm2_llm.engine.has_unfinished()
+    params = SamplingParams(max_tokens=3, allowed_token_ids=[a, b], structured_outputs=only_a)
+    assert smollm2_llm.generate("x", params, use_tqdm=False)[0].outputs[0].token_ids == [a, a, a]
+
+
 def test_schema_keyword_check_reads_property_names_as_names():
     named_like_keywords = {"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}}
     check_json_schema(named_like_keywords, "f")  # no error

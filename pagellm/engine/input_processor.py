@@ -98,15 +98,20 @@ class InputProcessor:
             all_stop_token_ids=set() if params.ignore_eos else set(self.eos_token_ids),
             bad_words_token_ids=self._bad_words_token_ids(params.bad_words),
         )
+        # Where every logit would be -inf, no token could be sampled: refused up front.
         banned = {ids[0] for ids in params.bad_words_token_ids if len(ids) == 1}
-        if params.allowed_token_ids and banned.issuperset(params.allowed_token_ids):
-            # Every logit would be -inf: no token could be sampled.
+        usable = set(params.allowed_token_ids or []) - banned
+        if params.allowed_token_ids and not usable:
             raise InvalidParameter("bad_words", "bad_words: they ban every token of allowed_token_ids")
         room = self.max_model_len - len(ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         grammar = None
         if params.structured_outputs is not None:
             grammar = self.grammar_compiler.compile(params.structured_outputs)
+            if usable and not self.grammar_compiler.opens_with_any(grammar, usable):
+                raise InvalidParameter(
+                    "allowed_token_ids", "allowed_token_ids: the structured output can start with none of them"
+                )
         if params.n == 1:
             samples = [SampleRequest(request_id, 0, params, max_tokens)]
         else:

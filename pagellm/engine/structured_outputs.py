@@ -79,6 +79,16 @@ class GrammarCompiler:
             self._cache[key] = compiled
         return compiled
 
+    def opens_with_any(self, grammar: xgrammar.CompiledGrammar, token_ids: Iterable[int]) -> bool:
+        """Whether an output of `grammar` may start with one of `token_ids` (bit t % 32 of word t // 32 of the
+        first step's mask)."""
+        import xgrammar
+
+        bitmask = xgrammar.allocate_token_bitmask(1, self.vocab_size)
+        xgrammar.GrammarMatcher(grammar).fill_next_token_bitmask(bitmask)
+        words = bitmask[0].tolist()
+        return any((words[t // 32] >> (t % 32)) & 1 for t in token_ids)
+
     def _compile(self, kind: str, source: str, compact: bool) -> xgrammar.CompiledGrammar:
         compiler = self._get_compiler()
         field = f"structured_outputs.{kind}"
@@ -212,7 +222,8 @@ class StructuredOutputs:
             if update.finish_reason is not None:
                 del self._matchers[update.request_id]
             elif not matcher.accept_token(update.new_token_id):
-                # Only a token the mask allowed can be sampled: a bug, logged; the sample goes on unconstrained.
+                # The row had no token left (allowed_token_ids or bad_words exclude all the grammar allows, past
+                # the first token, which input processing checks): logged; the sample goes on unconstrained.
                 logger.error("request %s: token %d is outside its grammar", update.request_id, update.new_token_id)
                 del self._matchers[update.request_id]
             elif update.new_token_id in self._stop_token_ids and matcher.is_terminated():
