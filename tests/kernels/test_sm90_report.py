@@ -28,45 +28,9 @@ def test_decode_kernel_compiles_for_sm90(int8):
         assert mix.get("PRMT", 0) > 0 and "I2F" not in mix
 
 
-# Each fused GEMV variant launched once with bf16 tensors on the CPU, compiled for sm_90 instead of run: the
-# interpreter runs kernels that the compiler refuses (a global that is not a constexpr, say).
-FUSED_GEMV_LAUNCHES = """
-import json, sys
-from unittest import mock
-import torch
-from triton.runtime.jit import JITFunction
-sys.path.insert(0, sys.argv[1])
-from benchmarks.sm90_report import compile_for_sm90, resources
-from pagellm.kernels import gemv
-
-reports = []
-def intercept(self, *args, grid, warmup, **kwargs):
-    reports.append(resources(compile_for_sm90(self, args, kwargs)))
-
-w = torch.zeros(4096, 1024, dtype=torch.bfloat16)
-norm = torch.zeros(1024, dtype=torch.bfloat16)
-x = torch.zeros(1, 1024, dtype=torch.bfloat16)
-with mock.patch.object(JITFunction, "run", intercept):
-    gemv.gemv(x, w)
-    gemv.rms_norm_gemv(x, None, norm, 1e-6, w)
-    gemv.rms_norm_gemv(x, x.clone(), norm, 1e-6, w)
-    gemv.silu_and_mul_gemv(torch.zeros(1, 2048, dtype=torch.bfloat16), w)
-print(json.dumps(reports))
-"""
-
-
-def test_fused_gemv_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    args = [sys.executable, "-c", FUSED_GEMV_LAUNCHES, str(ROOT)]
-    out = subprocess.run(args, capture_output=True, text=True, env=env, check=True)
-    reports = json.loads(out.stdout.strip().splitlines()[-1])
-    assert len(reports) == 4
-    assert all(report["spilled_bytes"] == 0 for report in reports)
-
-
-# Every kernel of a batch-1 decode step as a PDL launch (what `pdl.launch_early` picks on an sm90 GPU), compiled
-# for sm_90: each program must wait for the kernel before it (griddepcontrol.wait), then release the next one.
-PDL_LAUNCHES = """
+# Launches on CPU tensors compiled for sm_90 instead of run (the interpreter runs kernels that the compiler refuses:
+# a global that is not a constexpr, say), one report per launch. LAUNCHES is the body: it may use x, w and norm.
+COMPILE_LAUNCHES = """
 import json, sys
 from unittest import mock
 import torch
@@ -88,35 +52,56 @@ def intercept(self, *args, grid, warmup, **kwargs):
     })
 
 bf = torch.bfloat16
-modules = [activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, rope, sampling]
 x, w, norm = torch.zeros(1, 1024, dtype=bf), torch.zeros(4096, 1024, dtype=bf), torch.zeros(1024, dtype=bf)
-q, k = torch.zeros(1, 16, 128, dtype=bf), torch.zeros(1, 8, 128, dtype=bf)
-cache = torch.zeros(64, 16, 8, 128, dtype=bf)
-words, scales = torch.zeros(4096, 128, dtype=torch.int32), torch.zeros(4096, 8, dtype=bf)
 with mock.patch.object(JITFunction, "run", intercept):
-    for module in modules:
-        mock.patch.object(module, "launch_early", lambda t, tokens: tokens == 1).start()
-    gemv.gemv(x, w)
-    gemv.rms_norm_gemv(x, x.clone(), norm, 1e-6, w)
-    quant_matmul.weight_only_matmul(x, words, scales, scales, 4, 128)
-    quant_matmul.weight_only_matmul(x, w.to(torch.float8_e4m3fn), torch.zeros(4096), None, 8, 0)
-    rmsnorm.rms_norm(x, norm, 1e-6, x)
-    activation.silu_and_mul(torch.zeros(1, 2048, dtype=bf))
-    rope.apply_rope_(q, k, torch.zeros(1, dtype=torch.long), torch.zeros(64, 128), norm[:128], norm[:128], 1e-6)
-    kv_write.write_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.long))
-    decode_attention.paged_decode_attention(
-        q, cache, cache, torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1, 1024, 64
-    )
-    sampling.argmax_rows(torch.zeros(1, 32768, dtype=bf))
+LAUNCHES
 print(json.dumps(reports))
 """
 
 
-def test_batch1_decode_kernels_compile_as_pdl_launches_for_sm90():
+def compile_launches(launches: str) -> list[dict]:
+    script = COMPILE_LAUNCHES.replace("LAUNCHES", "\n".join("    " + line for line in launches.splitlines()))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-c", PDL_LAUNCHES, str(ROOT)], capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
-    reports = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_fused_gemv_kernels_compile_for_sm90():
+    """Each fused GEMV variant, as launched on GPUs without PDL."""
+    reports = compile_launches(
+        """gemv.gemv(x, w)
+gemv.rms_norm_gemv(x, None, norm, 1e-6, w)
+gemv.rms_norm_gemv(x, x.clone(), norm, 1e-6, w)
+gemv.silu_and_mul_gemv(torch.zeros(1, 2048, dtype=bf), w)"""
+    )
+    assert len(reports) == 4
+    assert all(report["spilled_bytes"] == 0 and not report["pdl"] for report in reports)
+
+
+def test_batch1_decode_kernels_compile_as_pdl_launches_for_sm90():
+    """Every kernel of a batch-1 decode step as a PDL launch (what `pdl.launch_early` picks on an sm90 GPU): each
+    program must wait for the kernel before it (griddepcontrol.wait), then release the next one."""
+    reports = compile_launches(
+        """modules = [activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, rope, sampling]
+for module in modules:
+    mock.patch.object(module, "launch_early", lambda t, tokens: tokens == 1).start()
+q, k = torch.zeros(1, 16, 128, dtype=bf), torch.zeros(1, 8, 128, dtype=bf)
+cache = torch.zeros(64, 16, 8, 128, dtype=bf)
+words, scales = torch.zeros(4096, 128, dtype=torch.int32), torch.zeros(4096, 8, dtype=bf)
+gemv.gemv(x, w)
+gemv.rms_norm_gemv(x, x.clone(), norm, 1e-6, w)
+quant_matmul.weight_only_matmul(x, words, scales, scales, 4, 128)
+quant_matmul.weight_only_matmul(x, w.to(torch.float8_e4m3fn), torch.zeros(4096), None, 8, 0)
+rmsnorm.rms_norm(x, norm, 1e-6, x)
+activation.silu_and_mul(torch.zeros(1, 2048, dtype=bf))
+rope.apply_rope_(q, k, torch.zeros(1, dtype=torch.long), torch.zeros(64, 128), norm[:128], norm[:128], 1e-6)
+kv_write.write_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.long))
+decode_attention.paged_decode_attention(
+    q, cache, cache, torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1, 1024, 64
+)
+sampling.argmax_rows(torch.zeros(1, 32768, dtype=bf))"""
+    )
     assert {r["kernel"] for r in reports} == {
         "_gemv_kernel",
         "_int4_gemv_kernel",
