@@ -52,8 +52,8 @@ def tile_grid(fmt: str, m: int) -> list[Tiles]:
             Tiles(16, n, 128, 4, s, swap) for n, s, swap in itertools.product([16, 32, 64], [3, 4], [False, True])
         ]
     if m == 16:
-        grid = itertools.product([False, True], [16, 32, 64, 128], [64, 128, 256])
-        return [Tiles(16, n, k, 4, 3, swap) for swap, n, k in grid]
+        grid = itertools.product([False, True], [32, 64, 128], [128, 256], [4, 8], [3, 4], [1, 2, 4])
+        return [Tiles(16, n, k, w, s, swap, split) for swap, n, k, w, s, split in grid]
     if fmt == "fp8":  # above 16 rows FP8 runs on the FP8 tensor cores
         return []
     grid = itertools.product([False, True], [32, 64, 128], [64, 128])
@@ -181,7 +181,7 @@ def main() -> None:
     columns = ["format", "rows", "shape", "best_tiles", "best_ms", "default_ms", "%_of_bandwidth", "bf16_ms"]
     columns += ["dequantize_cublas_ms", "fp8_tensor_cores_ms", "speedup_vs_bf16"]
     table = markdown_table(best, columns)
-    note = "tiles: block_m x block_n x block_k x warps x stages x swap_ab"
+    note = "tiles: block_m x block_n x block_k x warps x stages x swap_ab x split_k"
     write_results("quant-kernels", {"environment": environment(), "note": note, "best": best, "sweep": sweep}, table)
     print(table)
 

@@ -118,6 +118,47 @@ def _biased_int4_tile(
 
 
 @triton.jit
+def _x_pair_planes(x, WORDS: tl.constexpr):
+    """x [M, 8 * WORDS] -> four planes [M, 2 * WORDS]: plane q holds columns 8j + q and 8j + q + 4 at 2j and
+    2j + 1, the columns that values q and q + 4 of a tile's INT4 word j multiply (splits keep each value in the
+    thread that holds it)."""
+    c0, c1 = tl.split(tl.reshape(x, (x.shape[0], WORDS, 2, 2, 2)))  # column = 8j + 4a + 2b + c
+    p0, p2 = tl.split(c0)
+    p1, p3 = tl.split(c1)
+    shape: tl.constexpr = (x.shape[0], 2 * WORDS)
+    return tl.reshape(p0, shape), tl.reshape(p1, shape), tl.reshape(p2, shape), tl.reshape(p3, shape)
+
+
+@triton.jit
+def _biased_int4_dot(
+    w_ptr, rows, k0, N, K, stride_w, x, BASE: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr
+):  # fmt: skip
+    """The dot of INT4 weight rows `rows`, as BASE + q (`_biased_int4_tile`), with x [M, BLOCK_K] over columns
+    k0 .. k0 + BLOCK_K: [BLOCK_N, M] (SWAP_AB) or [M, BLOCK_N].
+
+    From 64 columns on it runs as four dots, one per pair of value positions (q, q + 4) of the words against x's
+    matching columns (`_x_pair_planes`): each operand is then an element-wise function of the loaded words, so
+    Triton moves the words (a quarter of the bf16 tile's bytes) into the dot's register layout, where the whole
+    unpacked tile would go through shared memory; and the two values of a 32-bit register come from one word,
+    (word >> 4q) & 0x000F000F | BASE_BITS x 0x10001 making both."""
+    if BLOCK_K >= 64:
+        words = _load_words(w_ptr, rows, k0, N, K, stride_w, 4, BLOCK_K)
+        BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
+        planes = _x_pair_planes(x, BLOCK_K // 8)
+        part = tl.zeros([rows.shape[0], x.shape[0]] if SWAP_AB else [x.shape[0], rows.shape[0]], tl.float32)
+        for q in tl.static_range(4):
+            pair = ((words >> (4 * q)) & 0x000F000F) | (BASE_BITS * 0x10001)
+            lo = pair.to(tl.int16).to(x.dtype, bitcast=True)
+            hi = (pair >> 16).to(tl.int16).to(x.dtype, bitcast=True)
+            w = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K // 4))
+            part = tl.dot(w, tl.trans(planes[q]), part) if SWAP_AB else tl.dot(planes[q], tl.trans(w), part)
+    else:
+        w = _biased_int4_tile(w_ptr, rows, k0, N, K, stride_w, BASE, BLOCK_K, x.dtype)
+        part = tl.dot(w, tl.trans(x)) if SWAP_AB else tl.dot(x, tl.trans(w))
+    return part
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -297,7 +338,8 @@ def _int4_gemv_kernel(
 
 @triton.jit
 def _tile_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_s, stride_out,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_s,
+    stride_out,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BASE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
@@ -305,29 +347,41 @@ def _tile_matmul_kernel(
     out^T = W x^T, so the weight tile is the dot's first operand (Hopper's wgmma takes that one from registers,
     the second only from shared memory) and BLOCK_N, not the few tokens, is its 64-row side.
 
+    Program (i, j, s) sums columns [s * k_per_split, (s + 1) * k_per_split) only. With several splits (grid axis
+    2) out holds their fp32 partial sums [splits, M, N] (the bias in split 0's), which `_sum_splits_kernel` adds
+    up: with few rows, a weight of 4,096 rows gives too few row tiles to keep every SM reading.
+
     BASE 128 or 1024 (INT4 with bf16 or fp16 activations, each tile inside one group; 0 otherwise): the dot
-    runs on BASE + q as stored (`_biased_int4_tile`), and the group's scale s and offset o apply to its sums:
+    runs on BASE + q as stored (`_biased_int4_dot`), and the group's scale s and offset o apply to its sums:
     sum((q * s + o) x) = s * dot(BASE + q, x) + (o - BASE * s) * sum(x). The sums are fp32, whose 24 bits leave
     the cancellation of BASE * sum(x) far below bf16's rounding."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_mask, t_mask = rows < N, tokens < M
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    split = tl.program_id(2)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    if BASE:  # each iteration loads the next tile's group scales, used an iteration later, so that their round
+        # trip overlaps a tile's work (Triton's pipeliner leaves loads that feed no dot waiting where they are used)
+        scale, offset = _group_scales(scale_ptr, offset_ptr, rows, k_start // GROUP, N, stride_s)
+    for k0 in range(k_start, k_end, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(
             x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=t_mask[:, None] & (cols < K)[None, :], other=0.0
         )
         if BASE:
-            w = _biased_int4_tile(w_ptr, rows, k0, N, K, stride_w, BASE, BLOCK_K, x.dtype)
-            part = tl.dot(w, tl.trans(x)) if SWAP_AB else tl.dot(x, tl.trans(w))
-            scale, offset = _group_scales(scale_ptr, offset_ptr, rows, k0 // GROUP, N, stride_s)
+            next_scale, next_offset = _group_scales(
+                scale_ptr, offset_ptr, rows, (k0 + BLOCK_K) // GROUP, tl.where(k0 + BLOCK_K < k_end, N, 0), stride_s
+            )
+            part = _biased_int4_dot(w_ptr, rows, k0, N, K, stride_w, x, BASE, SWAP_AB, BLOCK_K)
             shift = offset - BASE * scale
             x_sum = tl.sum(x.to(tl.float32), axis=1)
             if SWAP_AB:
                 acc += part * scale[:, None] + shift[:, None] * x_sum[None, :]
             else:
                 acc += part * scale[None, :] + x_sum[:, None] * shift[None, :]
+            scale, offset = next_scale, next_offset
         else:
             w = _load_weight_tile(
                 w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
@@ -337,9 +391,21 @@ def _tile_matmul_kernel(
     if FP8:
         out *= tl.load(scale_ptr + rows, mask=r_mask, other=0.0)[None, :]
     if HAS_BIAS:
-        out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)[None, :]
+        out += tl.load(bias_ptr + rows, mask=r_mask & (split == 0), other=0.0).to(tl.float32)[None, :]
     out_mask = t_mask[:, None] & r_mask[None, :]
+    out_ptr += split.to(tl.int64) * M * stride_out  # several splits: this one's partial sums
     tl.store(out_ptr + tokens[:, None] * stride_out + rows[None, :], out.to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+    """out = the sum of SPLIT_K fp32 partials [SPLIT_K, numel], in split order (graphs and eager agree)."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    total = tl.zeros([BLOCK], tl.float32)
+    for split in tl.static_range(SPLIT_K):
+        total += tl.load(partial_ptr + split * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -376,7 +442,7 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
 
 class Tiles(NamedTuple):
     """One launch configuration of `weight_only_matmul`; block_m 1 is the one-row GEMV kernel (which ignores
-    swap_ab)."""
+    swap_ab and split_k). split_k: how many programs share each tile's columns (see `_tile_matmul_kernel`)."""
 
     block_m: int
     block_n: int
@@ -384,17 +450,20 @@ class Tiles(NamedTuple):
     num_warps: int
     num_stages: int
     swap_ab: bool = False
+    split_k: int = 1
 
 
 def matmul_tiles(m: int, fp8: bool) -> Tiles:
-    """The best single configuration over Llama-3.1-8B's four linear shapes in an H200 sweep
-    (benchmarks/results/quant-kernels-2026-12-03; one row of INT4: within 1% of the best in quant-kernels-x16-
-    2026-12-04): narrow row tiles, so even N = 4,096 spreads over every SM."""
+    """The best single configuration over Llama-3.1-8B's four linear shapes in a sweep (benchmarks/results: one row
+    quant-kernels-2026-12-03 and -x16-2026-12-04 on the H200; 2-16 rows quant-kernels-x16-h100-2026-12-06, INT4
+    within 3% of the best there): narrow row tiles or split columns, so even N = 4,096 spreads over every SM."""
     if m == 1:  # INT4's block_k: 8 x the words of a row per iteration of its own kernel
         return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 8, 2048, 4, 2)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
-        return Tiles(16, 32, 256, 4, 3, swap_ab=True)
-    return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
+        return Tiles(16, 32, 256, 4, 4, split_k=2)
+    if m <= 16:
+        return Tiles(16, 128, 128, 4, 3, swap_ab=True, split_k=4)
+    return Tiles(min(64, triton.next_power_of_2(m)), 32, 256, 4, 3)
 
 
 def _int4_dot_base(dtype: torch.dtype) -> int:
@@ -466,25 +535,33 @@ def weight_only_matmul(
             **common,
         )  # fmt: skip
         return out
-    _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m))](
+    # Each split's columns start a tile (and so, with BASE, a group); fewer splits when K has too few tiles.
+    k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
+    split_k = triton.cdiv(k, k_per_split)
+    partials = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
+    _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), split_k)](
         x,
         weight,
         scales,
         offsets,
         bias,
-        out,
+        partials,
         m,
         n,
         k,
+        k_per_split,
         x.stride(0),
         weight.stride(0),
         scales.stride(0),
-        out.stride(0),
+        n,
         BLOCK_M=t.block_m,
         SWAP_AB=t.swap_ab,
         BASE=_int4_dot_base(x.dtype) if bits == 4 and not fp8 and group_size % t.block_k == 0 else 0,
         **common,
     )
+    if split_k > 1:
+        block = 1024
+        _sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, m * n, SPLIT_K=split_k, BLOCK=block)
     return out
 
 

@@ -95,7 +95,8 @@ def test_one_int4_row_is_exact_on_int8_grid_activations(dtype, group):
 
 # Each code path of the two kernels: the one-row GEMV with tiles inside one group, spanning several and ending
 # past K; the dot kernel with tiles inside one group (INT4: on BASE + q, in either operand order) or spanning
-# several, in either operand order; one activation row through the dot kernel.
+# several, in either operand order; one activation row through the dot kernel; columns split between programs
+# (a last split shorter than the others, and more splits asked for than K has tiles).
 TILE_VARIANTS = [
     Tiles(1, 16, 64, 4, 2),
     Tiles(1, 8, 256, 4, 3),
@@ -104,6 +105,9 @@ TILE_VARIANTS = [
     Tiles(16, 32, 128, 4, 2, swap_ab=True),
     Tiles(16, 64, 64, 4, 2, swap_ab=True),
     Tiles(32, 64, 256, 4, 2),
+    Tiles(16, 16, 64, 4, 2, split_k=3),
+    Tiles(16, 64, 128, 4, 2, swap_ab=True, split_k=2),
+    Tiles(16, 32, 256, 4, 2, split_k=8),
 ]
 
 
@@ -116,18 +120,19 @@ def test_every_tile_variant(dtype, tiles, bits, group):
     n, k = 72, 640  # 640: a partial last tile for 256-column tiles
     words, scales, offsets, dense = grouped_weight(n, k, bits, group, dtype, gen)
     x = torch.randn(m, k, generator=gen).to(dtype)
-    expected = x.float() @ dense.T
+    bias = torch.randn(n, generator=gen).to(dtype)  # added once, however many programs share a row's columns
+    expected = x.float() @ dense.T + bias.float()
     out = weight_only_matmul(
-        x.to(DEVICE), words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), bits, group, tiles=tiles
+        x.to(DEVICE), words.to(DEVICE), scales.to(DEVICE), offsets.to(DEVICE), bits, group, bias.to(DEVICE), tiles
     )
     if tiles.block_m == 1 and bits == 4:
-        check_x16_activations(out, x, words, scales, offsets, group, None, expected)
+        check_x16_activations(out, x, words, scales, offsets, group, bias, expected)
     else:
         assert rel_err(out.cpu(), expected) < TOL[dtype]
     fp8 = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
     scale = torch.rand(n, generator=gen) * 0.01 + 1e-3
-    out = weight_only_matmul(x.to(DEVICE), fp8.to(DEVICE), scale.to(DEVICE), None, 8, 0, tiles=tiles)
-    assert rel_err(out.cpu(), x.float() @ (fp8.float() * scale[:, None]).T) < TOL[dtype]
+    out = weight_only_matmul(x.to(DEVICE), fp8.to(DEVICE), scale.to(DEVICE), None, 8, 0, bias.to(DEVICE), tiles)
+    assert rel_err(out.cpu(), x.float() @ (fp8.float() * scale[:, None]).T + bias.float()) < TOL[dtype]
 
 
 def test_one_row_tiles_refuse_more_rows():
