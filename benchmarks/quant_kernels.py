@@ -10,7 +10,7 @@ each value to fp32 first; one row is also tried on dot tiles (block_m 16) beside
 Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache
 before the timing, which then runs alone on the GPU.
 
-    python benchmarks/quant_kernels.py [--bandwidth 4.3e12] [--quick] [--workers 12]
+    python benchmarks/quant_kernels.py [--bandwidth 4.3e12] [--quick] [--workers 12] [--rows 16] [--formats int4]
 """
 
 from __future__ import annotations
@@ -52,12 +52,15 @@ def tile_grid(fmt: str, m: int) -> list[Tiles]:
             Tiles(16, n, 128, 4, s, swap) for n, s, swap in itertools.product([16, 32, 64], [3, 4], [False, True])
         ]
     if m == 16:
-        grid = itertools.product([False, True], [32, 64, 128], [128, 256], [4, 8], [3, 4], [1, 2, 4])
+        if fmt == "fp8":
+            grid = itertools.product([False, True], [32, 64, 128], [128, 256], [4, 8], [3, 4], [1, 2, 4])
+        else:  # INT4 dots on pair planes (block_k dividing the group), swapped: split_k up to 8
+            grid = itertools.product([True], [64, 128], [64, 128], [4, 8], [2, 3, 4], [1, 2, 4, 8])
         return [Tiles(16, n, k, w, s, swap, split) for swap, n, k, w, s, split in grid]
     if fmt == "fp8":  # above 16 rows FP8 runs on the FP8 tensor cores
         return []
-    grid = itertools.product([False, True], [32, 64, 128], [64, 128])
-    return [Tiles(64, n, k, 4, 3, swap) for swap, n, k in grid]
+    grid = itertools.product([False, True], [32, 64, 128], [64, 128], [1, 2, 4])
+    return [Tiles(64, n, k, 4, 3, swap, split) for swap, n, k, split in grid]
 
 
 def weights(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -113,8 +116,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=12, help="compiling processes")
     parser.add_argument("--rep", type=int, default=40, help="ms of timing per configuration")
     parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     args = parser.parse_args()
-    plan = {(fmt, m): tile_grid(fmt, m)[:: 5 if args.quick else 1] for fmt in FORMATS for m in args.rows}
+    plan = {(fmt, m): tile_grid(fmt, m)[:: 5 if args.quick else 1] for fmt in args.formats for m in args.rows}
     jobs = [(fmt, m, t) for (fmt, m), grid in plan.items() for t in grid]
     started = time.time()
     if args.workers > 1:
