@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
-from pagellm.kernels.kv_write import write_kv  # noqa: E402
+from pagellm.kernels.kv_write import rope_and_write_kv  # noqa: E402
 from pagellm.kernels.reference import quantize_int8  # noqa: E402
 from pagellm.kernels.rmsnorm import rms_norm  # noqa: E402
 from pagellm.kernels.sampling import argmax_rows, sample_rows  # noqa: E402
@@ -106,13 +106,22 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
         ms = bench_ms(lambda: rms_norm(x, w, 1e-6, r))
         moved = 4 * x.numel() * 2  # read x, r; write out, residual
         rows.append(bandwidth_row("add+rmsnorm", tokens, hidden, ms, moved, bandwidth))
-    slots = torch.randperm(65536, device="cuda", generator=gen)[:8192]
-    kv = torch.randn(8192, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    tokens = 8192
+    slots = torch.randperm(65536, device="cuda", generator=gen)[:tokens]
+    positions = torch.randint(0, 4096, (tokens,), device="cuda", generator=gen)
+    cos_sin = torch.randn(4096, DIM, device="cuda", generator=gen)
+    q = torch.randn(tokens, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+    kv = torch.randn(tokens, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
     for int8 in (False, True):
         cache = allocate_kv_caches(1, 4096, BLOCK, KV_HEADS, DIM, torch.int8 if int8 else torch.bfloat16, kv.device)[0]
-        ms = bench_ms(lambda: write_kv(kv, kv, cache.key, cache.value, slots, cache.key_scale, cache.value_scale))
-        moved = 2 * kv.numel() * 2 + 2 * kv.numel() * cache.key.element_size()
-        rows.append(bandwidth_row(f"kv write {'int8' if int8 else 'bf16'}", 8192, 0, ms, moved, bandwidth))
+        ms = bench_ms(
+            lambda: rope_and_write_kv(
+                q, kv, kv, positions, cos_sin, cache.key, cache.value, slots, cache.key_scale, cache.value_scale
+            )
+        )
+        # q read and written in place; k and v read, then written to the cache
+        moved = 2 * q.numel() * 2 + 2 * kv.numel() * 2 + 2 * kv.numel() * cache.key.element_size()
+        rows.append(bandwidth_row(f"rope + kv write {'int8' if int8 else 'bf16'}", tokens, 0, ms, moved, bandwidth))
     return rows
 
 
@@ -192,7 +201,7 @@ def main() -> None:
             "bandwidth": args.bandwidth,
             "shape": {"heads": HEADS, "kv_heads": KV_HEADS, "head_dim": DIM, "block": BLOCK},
             "batch x context": "decode: sequences x context tokens; add+rmsnorm: tokens x hidden; "
-            "kv write: tokens; gemv: N x K; sample/argmax: rows x vocabulary",
+            "rope + kv write: tokens; gemv: N x K; sample/argmax: rows x vocabulary",
             "rows": rows,
         },
         table,

@@ -1,5 +1,11 @@
-"""Triton: store new K/V rows into the paged cache at `slot_mapping`, quantizing to INT8 on the way when the cache
-is int8 (one absmax scale per token per KV head; round half up, like `reference.quantize_int8`)."""
+"""Triton: a layer's rotary embedding and KV-cache write in one launch. Each program takes one token: it rotates
+the token's query heads in place (neox style, after a per-head RMSNorm for Qwen3's q_norm/k_norm) and stores its
+rotated key heads and its value heads at the token's cache slot, quantizing them to INT8 on the way when the cache
+is int8 (one absmax scale per token per KV head; round half up, like `reference.quantize_int8`).
+
+The frequencies (plain, 'linear' or 'llama3'-scaled) live in `cos_sin_cache` [max_pos, D] (cos | sin halves), so
+one kernel serves every variant. The twin is `reference.rms_norm` / `reference.apply_rope` / `reference.write_kv`.
+"""
 
 from __future__ import annotations
 
@@ -12,98 +18,145 @@ from pagellm.kernels.pdl import launch_early, wait_for_inputs
 
 
 @triton.jit
-def _write_kv_kernel(
-    key_ptr,
-    value_ptr,
-    key_cache_ptr,
-    value_cache_ptr,
-    key_scale_ptr,
-    value_scale_ptr,
-    slot_ptr,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_kb,
-    stride_ks,
-    stride_kch,
-    stride_vb,
-    stride_vs,
-    stride_vch,
-    stride_vd,
-    stride_sb,
-    stride_ss,
-    stride_sh,
-    block_size,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    QUANT: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_inputs(PDL)  # before the padding tokens' return too: every program waits
+def _rotated_heads(
+    ptr, stride_h, num_heads, cos, sin, norm_weight_ptr, eps,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """The heads at `ptr` (a token's row) rotated, as their two halves [BLOCK_H, BLOCK_HALF] in fp32 holding
+    values of the input's dtype (rounded as the unfused rotation stored them), and where they live."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (d < HALF)
+    base = ptr + h * stride_h + d
+    x1 = tl.load(base, mask=mask, other=0.0)
+    x2 = tl.load(base + HALF, mask=mask, other=0.0)
+    x1f, x2f = x1.to(tl.float32), x2.to(tl.float32)
+    if NORM:  # as reference.rms_norm: normalize in fp32, cast, then multiply by the weight
+        rstd = 1.0 / tl.sqrt((tl.sum(x1f * x1f, axis=1) + tl.sum(x2f * x2f, axis=1)) / (2 * HALF) + eps)
+        w1 = tl.load(norm_weight_ptr + d, mask=d < HALF, other=0.0)
+        w2 = tl.load(norm_weight_ptr + HALF + d, mask=d < HALF, other=0.0)
+        x1f = (w1 * (x1f * rstd[:, None]).to(x1.dtype)).to(tl.float32)
+        x2f = (w2 * (x2f * rstd[:, None]).to(x2.dtype)).to(tl.float32)
+    r1 = (x1f * cos - x2f * sin).to(x1.dtype).to(tl.float32)
+    r2 = (x2f * cos + x1f * sin).to(x1.dtype).to(tl.float32)
+    return r1, r2, base, mask
+
+
+@triton.jit
+def _int8_rows(x, scale):
+    """x / scale rounded half up into [-127, 127], as reference.quantize_int8."""
+    return tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(x, scale) + 0.5), -127.0), 127.0).to(tl.int8)
+
+
+@triton.jit
+def _rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, key_cache_ptr, value_cache_ptr,
+    key_scale_ptr, value_scale_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_c,
+    stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_vd, stride_sb, stride_ss, stride_sh,
+    num_q_heads, num_kv_heads, block_size, eps,
+    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
+    NORM: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_inputs(PDL)
     token = tl.program_id(0)
-    head = tl.program_id(1)
+    pos = tl.load(pos_ptr + token)
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + d, mask=d < HALF, other=0.0)
+    q1, q2, q_base, q_mask = _rotated_heads(
+        q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, q_norm_ptr, eps, HALF, BLOCK_HQ, BLOCK_HALF, NORM
+    )
+    tl.store(q_base, q1.to(q_ptr.dtype.element_ty), mask=q_mask)
+    tl.store(q_base + HALF, q2.to(q_ptr.dtype.element_ty), mask=q_mask)
+    k1, k2, _, kv_mask = _rotated_heads(
+        k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, k_norm_ptr, eps, HALF, BLOCK_HK, BLOCK_HALF, NORM
+    )
+    h = tl.arange(0, BLOCK_HK)[:, None]
+    v_src = v_ptr + token * stride_vt + h * stride_vh + d
+    v1 = tl.load(v_src, mask=kv_mask, other=0.0).to(tl.float32)
+    v2 = tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + token)
-    if slot < 0:  # padding token (CUDA-graph batches)
-        return
+    keep = kv_mask & (slot >= 0)  # slot -1: a padding token (CUDA-graph batches), rotated but not stored
     block = slot // block_size
     offset = slot % block_size
-    d = tl.arange(0, BLOCK_D)
-    mask = d < HEAD_DIM
-    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask, other=0.0).to(tl.float32)
-    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask, other=0.0).to(tl.float32)
-    k_dst = block * stride_kb + offset * stride_ks + head * stride_kch + d
-    v_dst = block * stride_vb + offset * stride_vs + head * stride_vch + d * stride_vd
+    k_dst = key_cache_ptr + block * stride_kb + offset * stride_ks + h * stride_kch + d
+    v_dst = value_cache_ptr + block * stride_vb + offset * stride_vs + h * stride_vch + d * stride_vd
     if QUANT:
-        k_scale = tl.maximum(tl.max(tl.abs(k), axis=0), 1e-8) / 127.0
-        v_scale = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-8) / 127.0
-        kq = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(k, k_scale) + 0.5), -127.0), 127.0)
-        vq = tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(v, v_scale) + 0.5), -127.0), 127.0)
-        tl.store(key_cache_ptr + k_dst, kq.to(tl.int8), mask=mask)
-        tl.store(value_cache_ptr + v_dst, vq.to(tl.int8), mask=mask)
-        scale_dst = block * stride_sb + offset * stride_ss + head * stride_sh
-        tl.store(key_scale_ptr + scale_dst, k_scale)
-        tl.store(value_scale_ptr + scale_dst, v_scale)
+        k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)), 1e-8) / 127.0
+        v_scale = tl.maximum(tl.maximum(tl.max(tl.abs(v1), axis=1), tl.max(tl.abs(v2), axis=1)), 1e-8) / 127.0
+        tl.store(k_dst, _int8_rows(k1, k_scale[:, None]), mask=keep)
+        tl.store(k_dst + HALF, _int8_rows(k2, k_scale[:, None]), mask=keep)
+        tl.store(v_dst, _int8_rows(v1, v_scale[:, None]), mask=keep)
+        tl.store(v_dst + HALF * stride_vd, _int8_rows(v2, v_scale[:, None]), mask=keep)
+        heads = tl.arange(0, BLOCK_HK)
+        scale_dst = block * stride_sb + offset * stride_ss + heads * stride_sh
+        head_keep = (heads < num_kv_heads) & (slot >= 0)
+        tl.store(key_scale_ptr + scale_dst, k_scale, mask=head_keep)
+        tl.store(value_scale_ptr + scale_dst, v_scale, mask=head_keep)
     else:
-        tl.store(key_cache_ptr + k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(value_cache_ptr + v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(k_dst, k1.to(key_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(k_dst + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_dst, v1.to(value_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_dst + HALF * stride_vd, v2.to(value_cache_ptr.dtype.element_ty), mask=keep)
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
+def rope_and_write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
     key_scale: torch.Tensor | None = None,
     value_scale: torch.Tensor | None = None,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
 ) -> None:
-    """Same contract as `reference.write_kv`: key/value [T, Hkv, D] (last dim contiguous), caches
-    [num_blocks, block_size, Hkv, D] (key rows contiguous; values in any layout), scales
-    [num_blocks, block_size, Hkv] for int8."""
-    num_tokens, num_heads, head_dim = key.shape
+    """Rotate q [T, H, D] in place and store the rotated k and v [T, Hkv, D] (views with a contiguous last dim)
+    at `slot_mapping` of the caches [num_blocks, block_size, Hkv, D] (key rows contiguous; values in any layout;
+    int8 caches take scales [num_blocks, block_size, Hkv]); k itself is left as it was. With the per-head norm
+    weights q_norm and k_norm [D], each head is RMS-normalized before it is rotated."""
+    num_tokens, num_q_heads, head_dim = q.shape
     if num_tokens == 0:
         return
+    half = head_dim // 2
+    norm = q_norm is not None
     quant = key_cache.dtype == torch.int8
-    scale_k = key_scale if quant else key_cache  # unused pointers when not quantizing
-    scale_v = value_scale if quant else value_cache
-    pdl = launch_early(key, num_tokens)
-    _write_kv_kernel[(num_tokens, num_heads)](
-        key,
-        value,
+    pdl = launch_early(q, num_tokens)
+    _rope_write_kv_kernel[(num_tokens,)](
+        q,
+        k,
+        v,
+        positions,
+        cos_sin_cache,
+        q_norm if norm else q,  # unused pointers without the norms, or when not quantizing
+        k_norm if norm else k,
         key_cache,
         value_cache,
-        scale_k,
-        scale_v,
+        key_scale if quant else key_cache,
+        value_scale if quant else value_cache,
         slot_mapping,
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos_sin_cache.stride(0),
         *kv_strides(key_cache, value_cache, key_scale if quant else None),
+        num_q_heads,
+        k.shape[1],
         key_cache.shape[1],
-        HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim),
+        eps,
+        HALF=half,
+        BLOCK_HALF=triton.next_power_of_2(half),
+        BLOCK_HQ=triton.next_power_of_2(num_q_heads),
+        BLOCK_HK=triton.next_power_of_2(k.shape[1]),
+        NORM=norm,
         QUANT=quant,
         PDL=pdl,
         launch_pdl=pdl,

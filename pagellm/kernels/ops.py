@@ -25,17 +25,6 @@ class Ops(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def rope(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin_cache: torch.Tensor,
-        q_norm: torch.Tensor | None = None,
-        k_norm: torch.Tensor | None = None,
-        eps: float = 0.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor: ...
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
@@ -94,12 +83,6 @@ class TorchOps:
     def rms_norm(self, x, weight, eps, residual=None):
         return reference.rms_norm(x, weight, eps, residual)
 
-    def rope(self, q, k, positions, cos_sin_cache, q_norm=None, k_norm=None, eps=0.0):
-        if q_norm is not None:  # Qwen3 normalizes each head before rotating it
-            q, _ = reference.rms_norm(q, q_norm, eps)
-            k, _ = reference.rms_norm(k, k_norm, eps)
-        return reference.apply_rope(q, k, positions, cos_sin_cache)
-
     def silu_and_mul(self, x):
         return reference.silu_and_mul(x)
 
@@ -147,14 +130,13 @@ class TritonOps:
     name = "triton"
 
     def __init__(self) -> None:
-        from pagellm.kernels import activation, bitmask, gemv, quant_matmul, rmsnorm, rope, sampling
+        from pagellm.kernels import activation, bitmask, gemv, quant_matmul, rmsnorm, sampling
 
-        self._activation, self._bitmask, self._gemv, self._rmsnorm, self._rope, self._sampling = (
+        self._activation, self._bitmask, self._gemv, self._rmsnorm, self._sampling = (
             activation,
             bitmask,
             gemv,
             rmsnorm,
-            rope,
             sampling,
         )
         self._quant = quant_matmul
@@ -163,12 +145,6 @@ class TritonOps:
 
     def rms_norm(self, x, weight, eps, residual=None):
         return self._rmsnorm.rms_norm(x, weight, eps, residual)
-
-    def rope(self, q, k, positions, cos_sin_cache, q_norm=None, k_norm=None, eps=0.0):
-        """In place, the per-head norms fused in."""
-        if q_norm is None:
-            return self._rope.apply_rope_(q, k, positions, cos_sin_cache)
-        return self._rope.apply_rope_(q, k, positions, cos_sin_cache, q_norm, k_norm, eps)
 
     def silu_and_mul(self, x):
         return self._activation.silu_and_mul(x)

@@ -7,7 +7,7 @@ The model calls `backend.forward(q, k, v, kv_cache, metadata)`: it writes the ne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -77,6 +77,17 @@ def allocate_kv_caches(
     return caches
 
 
+class Rotation(NamedTuple):
+    """A layer's rotary embedding, which the backend applies to q and k as it stores k and v: positions [T],
+    `cos_sin_cache` [max_pos, D] (cos | sin halves) and, for Qwen3, per-head RMSNorm weights [D] applied first."""
+
+    positions: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+
 class AttentionBackend(Protocol):
     name: str
 
@@ -89,10 +100,13 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rotation: Rotation,
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Attention of the step's tokens: q [T, H, D] and k [T, Hkv, D] rotated (q in place or not), the rotated
+        k and v stored at the metadata's slots, then each query attends over its sequence's cache."""
 
 
 class TorchAttentionBackend:
@@ -119,10 +133,15 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rotation: Rotation,
         cache: LayerKVCache,
         metadata: TorchAttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
+        if rotation.q_norm is not None:  # Qwen3 normalizes each head before rotating it
+            q, _ = reference.rms_norm(q, rotation.q_norm, rotation.eps)
+            k, _ = reference.rms_norm(k, rotation.k_norm, rotation.eps)
+        q, k = reference.apply_rope(q, k, rotation.positions, rotation.cos_sin_cache)
         reference.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
         return reference.paged_attention(
             q,
@@ -141,8 +160,8 @@ class TorchAttentionBackend:
 
 
 class TritonAttentionBackend:
-    """GPU backend: Triton KV write (with INT8 quantization), split-KV decode for the leading one-token
-    sequences, and paged prefill attention for the rest of the batch."""
+    """GPU backend: Triton RoPE with the KV write (with INT8 quantization) in one kernel, split-KV decode for the
+    leading one-token sequences, and paged prefill attention for the rest of the batch."""
 
     name = "triton"
 
@@ -160,11 +179,15 @@ class TritonAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
+        rotation: Rotation,
         cache: LayerKVCache,
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self._kv_write.write_kv(k, v, cache.key, cache.value, metadata.slot_mapping, cache.key_scale, cache.value_scale)
+        self._kv_write.rope_and_write_kv(
+            q, k, v, rotation.positions, rotation.cos_sin_cache, cache.key, cache.value, metadata.slot_mapping,
+            cache.key_scale, cache.value_scale, rotation.q_norm, rotation.k_norm, rotation.eps,
+        )  # fmt: skip
         out = torch.empty_like(q)
         n = metadata.num_decodes
         scales = (cache.key_scale, cache.value_scale)

@@ -19,6 +19,7 @@ from torch import nn
 from pagellm.config import RopeConfig, cdiv
 from pagellm.distributed.parallel import TensorParallel, vocab_shard
 from pagellm.kernels.ops import Ops
+from pagellm.model.attention import Rotation
 from pagellm.quantization.linear_methods import LinearMethod
 
 
@@ -151,26 +152,20 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig, ops: Ops) -> None:
+    def __init__(self, head_dim: int, max_positions: int, rope: RopeConfig) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq[None, :]
         self.register_buffer("cos_sin_cache", torch.cat((freqs.cos(), freqs.sin()), dim=-1), persistent=False)
-        self.ops = ops
 
-    def forward(
-        self,
-        positions: torch.Tensor,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, Hkv, D], after RMS-normalizing each head when given per-head norms
-        (Qwen3). The Triton op does both in one kernel, in place."""
+    def rotation(
+        self, positions: torch.Tensor, q_norm: RMSNorm | None = None, k_norm: RMSNorm | None = None
+    ) -> Rotation:
+        """The rotation of the tokens at `positions`, after RMS-normalizing each head when given per-head norms
+        (Qwen3): the attention backend applies it as it writes the KV cache (one kernel on the GPU)."""
         if q_norm is None:
-            return self.ops.rope(q, k, positions, self.cos_sin_cache)
-        return self.ops.rope(q, k, positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
+            return Rotation(positions, self.cos_sin_cache)
+        return Rotation(positions, self.cos_sin_cache, q_norm.weight, k_norm.weight, q_norm.eps)
 
 
 class MLP(nn.Module):

@@ -73,8 +73,8 @@ class LlamaAttention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, self.q_norm, self.k_norm)  # Qwen3 normalizes each head before RoPE
-        out = self.backend.forward(q, k, v, cache, metadata, self.scale)
+        rotation = self.rotary.rotation(positions, self.q_norm, self.k_norm)
+        out = self.backend.forward(q, k, v, rotation, cache, metadata, self.scale)
         return self.tp.all_reduce(self.o_proj(out.reshape(num_tokens, -1))), residual
 
 
@@ -127,7 +127,7 @@ class LlamaForCausalLM(nn.Module):
         self.quantization = quantization
         quant_method = linear_method(quantization, tp.size) if quantization is not None else None
         local = shard_config(config, tp)
-        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope, ops)
+        rotary = RotaryEmbedding(config.head_dim, max_positions, config.rope)
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(local, rotary, backend, ops, tp, quant_method) for _ in range(config.num_layers)

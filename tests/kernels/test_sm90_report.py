@@ -37,7 +37,7 @@ import torch
 from triton.runtime.jit import JITFunction
 sys.path.insert(0, sys.argv[1])
 from benchmarks.sm90_report import compile_for_sm90, resources
-from pagellm.kernels import activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, rope, sampling
+from pagellm.kernels import activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, sampling
 
 reports = []
 def intercept(self, *args, grid, warmup, **kwargs):
@@ -83,7 +83,7 @@ def test_batch1_decode_kernels_compile_as_pdl_launches_for_sm90():
     """Every kernel of a batch-1 decode step as a PDL launch (what `pdl.launch_early` picks on an sm90 GPU): each
     program must wait for the kernel before it (griddepcontrol.wait), then release the next one."""
     reports = compile_launches(
-        """modules = [activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, rope, sampling]
+        """modules = [activation, decode_attention, gemv, kv_write, quant_matmul, rmsnorm, sampling]
 for module in modules:
     mock.patch.object(module, "launch_early", lambda t, tokens: tokens == 1).start()
 q, k = torch.zeros(1, 16, 128, dtype=bf), torch.zeros(1, 8, 128, dtype=bf)
@@ -95,8 +95,10 @@ quant_matmul.weight_only_matmul(x, words, scales, scales, 4, 128)
 quant_matmul.weight_only_matmul(x, w.to(torch.float8_e4m3fn), torch.zeros(4096), None, 8, 0)
 rmsnorm.rms_norm(x, norm, 1e-6, x)
 activation.silu_and_mul(torch.zeros(1, 2048, dtype=bf))
-rope.apply_rope_(q, k, torch.zeros(1, dtype=torch.long), torch.zeros(64, 128), norm[:128], norm[:128], 1e-6)
-kv_write.write_kv(k, k, cache, cache.clone(), torch.zeros(1, dtype=torch.long))
+position = torch.zeros(1, dtype=torch.long)
+kv_write.rope_and_write_kv(
+    q, k, k, position, torch.zeros(64, 128), cache, cache.clone(), position, None, None, norm[:128], norm[:128], 1e-6
+)
 decode_attention.paged_decode_attention(
     q, cache, cache, torch.zeros(1, 64, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1, 1024, 64
 )
@@ -107,8 +109,7 @@ sampling.argmax_rows(torch.zeros(1, 32768, dtype=bf))"""
         "_int4_gemv_kernel",
         "_rms_norm_kernel",
         "_silu_and_mul_kernel",
-        "_rope_kernel",
-        "_write_kv_kernel",
+        "_rope_write_kv_kernel",
         "_decode_partial_kernel",
         "_decode_merge_kernel",
         "_chunk_stats_kernel",

@@ -13,10 +13,9 @@ from pagellm.kernels.activation import silu_and_mul
 from pagellm.kernels.bitmask import apply_token_bitmask
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
 from pagellm.kernels.gemv import FEW_ROWS, Tiles, few_rows_matmul, gemv, rms_norm_gemv, silu_and_mul_gemv
-from pagellm.kernels.kv_write import write_kv
+from pagellm.kernels.kv_write import rope_and_write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
 from pagellm.kernels.rmsnorm import rms_norm
-from pagellm.kernels.rope import apply_rope_
 from pagellm.model.attention import allocate_kv_caches
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -155,30 +154,53 @@ def test_prefill_attention(dtype, kv_int8, heads, kv_heads, dim):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_int8", [False, True])
-@pytest.mark.parametrize("kv_heads,dim", [(1, 64), (4, 128), (3, 80)])
-def test_write_kv(dtype, kv_int8, kv_heads, dim):
-    gen = torch.Generator().manual_seed(dim)
-    kv_dtype = torch.int8 if kv_int8 else dtype
-    tokens = 37
-    # A strided view, as the model passes slices of the fused qkv output.
-    qkv = torch.randn(tokens, 3 * kv_heads * dim, generator=gen).to(DEVICE, dtype)
-    k = qkv[:, : kv_heads * dim].view(tokens, kv_heads, dim)
-    v = qkv[:, kv_heads * dim : 2 * kv_heads * dim].view(tokens, kv_heads, dim)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 32), (2, 1, 64), (6, 3, 80)])
+@pytest.mark.parametrize("rope_type", ["default", "llama3"])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
+def test_rope_and_write_kv(dtype, kv_int8, heads, kv_heads, dim, rope_type, qk_norm):
+    from pagellm.config import RopeConfig
+    from pagellm.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(dim + heads + kv_int8)
+    rope = RopeConfig(theta=500000.0, rope_type=rope_type, factor=8.0, original_max_position_embeddings=256)
+    cos_sin = RotaryEmbedding(dim, 4096, rope).cos_sin_cache.to(DEVICE)
+    tokens = 19
+    # Strided views, as the model passes slices of the fused qkv output.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, : heads * dim].view(tokens, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
+    k_before = k.clone()
+    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
     slots = torch.randperm(8 * 16, generator=gen)[:tokens].to(DEVICE)
-    slots[5] = -1  # padding
+    slots[5] = -1  # padding: rotated, not stored
+    norms = (None, None)
+    ref_q, ref_k = q.float(), k.float()
+    if qk_norm:  # Qwen3: each head RMS-normalized with its own weight, then rotated
+        norms = tuple((1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+        ref_q, ref_k = (reference.rms_norm(x, w, 1e-6)[0].float() for x, w in zip((q, k), norms))
+    ref_q, ref_k = reference.apply_rope(ref_q, ref_k, positions, cos_sin)
+    kv_dtype = torch.int8 if kv_int8 else dtype
     ref_cache = make_cache(8, 16, kv_heads, dim, kv_dtype, gen)
+    reference.write_kv(ref_k, v, ref_cache[0], ref_cache[1], slots, *ref_cache[2])
     out_cache = make_cache(8, 16, kv_heads, dim, kv_dtype, gen)
-    reference.write_kv(k, v, ref_cache[0], ref_cache[1], slots, *ref_cache[2])
-    write_kv(k, v, out_cache[0], out_cache[1], slots, *out_cache[2])
+    rope_and_write_kv(q, k, v, positions, cos_sin, *out_cache[:2], slots, *out_cache[2], *norms, eps=1e-6)
+    assert rel_err(q, ref_q) < TOL[dtype] and torch.equal(k, k_before)
     if kv_int8:
-        for ref_scale, out_scale in zip(ref_cache[2], out_cache[2]):
-            assert torch.allclose(out_scale, ref_scale, rtol=1e-6, atol=0)
+        (key_scale, value_scale), (ref_key_scale, ref_value_scale) = out_cache[2], ref_cache[2]
+        dequantized_keys = out_cache[0].float() * key_scale[..., None]
+        assert rel_err(dequantized_keys, ref_cache[0].float() * ref_key_scale[..., None]) < 2e-2
+        assert torch.allclose(value_scale, ref_value_scale, rtol=1e-6, atol=0)
         # Quantized values agree except where division rounding lands within an ulp of a .5 boundary.
-        for ref_q, out_q in zip(ref_cache[:2], out_cache[:2]):
-            diff = (ref_q.int() - out_q.int()).abs()
-            assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
+        diff = (ref_cache[1].int() - out_cache[1].int()).abs()
+        assert diff.max() <= 1 and (diff > 0).float().mean() < 1e-3
     else:
-        assert torch.equal(out_cache[0], ref_cache[0]) and torch.equal(out_cache[1], ref_cache[1])
+        assert rel_err(out_cache[0], ref_cache[0]) < TOL[dtype] and torch.equal(out_cache[1], ref_cache[1])
+    untouched = make_cache(8, 16, kv_heads, dim, kv_dtype, gen)  # the padding token's rows were never written
+    written = torch.zeros(8 * 16, dtype=torch.bool)
+    written[slots[slots >= 0].cpu()] = True
+    for out, blank in zip(out_cache[:2], untouched[:2]):
+        assert torch.equal(out.flatten(0, 1)[~written.to(DEVICE)], blank.flatten(0, 1)[~written.to(DEVICE)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -193,39 +215,6 @@ def test_rms_norm(dtype, hidden, with_residual):
     out, res = rms_norm(x, weight, 1e-5, residual)
     assert rel_err(out, ref_out) < TOL[dtype]
     assert torch.equal(res, ref_res)
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 32)])
-@pytest.mark.parametrize("rope_type", ["default", "llama3"])
-@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
-def test_rope(dtype, heads, kv_heads, dim, rope_type, qk_norm):
-    from pagellm.config import RopeConfig
-    from pagellm.kernels.ops import TorchOps
-    from pagellm.model.layers import RotaryEmbedding
-
-    gen = torch.Generator().manual_seed(dim + heads)
-    rope = RopeConfig(theta=500000.0, rope_type=rope_type, factor=8.0, original_max_position_embeddings=256)
-    cache = RotaryEmbedding(dim, 4096, rope, TorchOps()).cos_sin_cache.to(DEVICE)
-    tokens = 19
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
-    q = qkv[:, : heads * dim].view(tokens, heads, dim)
-    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(tokens, kv_heads, dim)
-    positions = torch.randint(0, 4096, (tokens,), generator=gen).to(DEVICE)
-    if qk_norm:  # Qwen3: each head RMS-normalized with its own weight, then rotated
-        q_weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
-        k_weight = (1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype)
-        ref_q, ref_k = reference.apply_rope(
-            reference.rms_norm(q, q_weight, 1e-6)[0].float(),
-            reference.rms_norm(k, k_weight, 1e-6)[0].float(),
-            positions,
-            cache,
-        )
-        apply_rope_(q, k, positions, cache, q_weight, k_weight, 1e-6)
-    else:
-        ref_q, ref_k = reference.apply_rope(q.float(), k.float(), positions, cache)
-        apply_rope_(q, k, positions, cache)
-    assert rel_err(q, ref_q) < TOL[dtype] and rel_err(k, ref_k) < TOL[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
