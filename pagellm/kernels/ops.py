@@ -14,7 +14,10 @@ import torch.nn.functional as F
 from pagellm.kernels import reference
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
-GROUPED_FUSED_ROWS = 16  # integer weights: rows up to which dequantizing in the matmul beats dequantize + cuBLAS
+# Integer weights: rows up to which dequantizing in the matmul beats dequantize + cuBLAS (INT4 in groups of 64 or
+# more runs on pair-plane dots: 1.4-2.5x dequantize + cuBLAS at 64 rows, quant-kernels-int4-h100-2026-12-06).
+GROUPED_FUSED_ROWS = 16
+INT4_FUSED_ROWS = 64
 FP8_WEIGHT_ONLY_ROWS = 16  # FP8 weights: rows up to which the weight-only matmul beats FP8 x FP8 tensor cores
 
 
@@ -177,9 +180,11 @@ class TritonOps:
         return x.dim() == 2 and 0 < x.shape[0] <= self._gemv.FEW_ROWS and bias is None and x.dtype in HALF_DTYPES
 
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
-        """Up to GROUPED_FUSED_ROWS rows dequantize in the matmul's loop; more rows dequantize once and use cuBLAS
-        (at 64 rows the faster on three of Llama-3.1-8B's four shapes, H200 sweep of 2026-12-03)."""
-        if x.shape[0] <= GROUPED_FUSED_ROWS:
+        """Up to GROUPED_FUSED_ROWS rows (INT4_FUSED_ROWS for INT4 in groups of 64 or more) dequantize in the
+        matmul's loop; more rows dequantize once and use cuBLAS (for the others at 64 rows the faster on three of
+        Llama-3.1-8B's four shapes, H200 sweep of 2026-12-03)."""
+        int4_dots = bits == 4 and group_size % 64 == 0
+        if x.shape[0] <= (INT4_FUSED_ROWS if int4_dots else GROUPED_FUSED_ROWS):
             return self._quant.weight_only_matmul(x.contiguous(), qweight, scales, offsets, bits, group_size, bias)
         return F.linear(x, self._quant.dequantize(qweight, scales, offsets, bits, group_size, x.dtype), bias)
 

@@ -455,14 +455,16 @@ class Tiles(NamedTuple):
 
 def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in a sweep (benchmarks/results: one row
-    quant-kernels-2026-12-03 and -x16-2026-12-04 on the H200; 2-16 rows quant-kernels-x16-h100-2026-12-06, INT4
-    within 3% of the best there): narrow row tiles or split columns, so even N = 4,096 spreads over every SM."""
+    quant-kernels-2026-12-03 and -x16-2026-12-04 on the H200; FP8 2-16 rows quant-kernels-x16-h100-2026-12-06, INT4
+    2-64 rows quant-kernels-int4-h100-2026-12-06): narrow row tiles or split columns, so even N = 4,096 spreads over
+    every SM."""
     if m == 1:  # INT4's block_k: 8 x the words of a row per iteration of its own kernel
         return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 8, 2048, 4, 2)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 4, split_k=2)
-    if m <= 16 and bits == 4 and group_size % 64 == 0:  # INT4 pair-plane dots need 64 columns inside one group
-        return Tiles(16, 128, 128 if group_size % 128 == 0 else 64, 4, 3, swap_ab=True, split_k=4)
+    if bits == 4 and group_size % 64 == 0:  # INT4 pair-plane dots need 64 columns inside one group
+        block_k = 128 if group_size % 128 == 0 else 64
+        return Tiles(16, 128, block_k, 4, 3, True, 8) if m <= 16 else Tiles(64, 128, block_k, 4, 3, True, 4)
     return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
 
 
