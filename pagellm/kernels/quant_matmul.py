@@ -371,8 +371,9 @@ def _tile_matmul_kernel(
             x_ptr + tokens[:, None] * stride_x + cols[None, :], mask=t_mask[:, None] & (cols < K)[None, :], other=0.0
         )
         if BASE:
+            last = k0 + BLOCK_K >= k_end  # no next tile in this split: its "rows" are all masked out (N as 0)
             next_scale, next_offset = _group_scales(
-                scale_ptr, offset_ptr, rows, (k0 + BLOCK_K) // GROUP, tl.where(k0 + BLOCK_K < k_end, N, 0), stride_s
+                scale_ptr, offset_ptr, rows, (k0 + BLOCK_K) // GROUP, tl.where(last, 0, N), stride_s
             )
             part = _biased_int4_dot(w_ptr, rows, k0, N, K, stride_w, x, BASE, SWAP_AB, BLOCK_K)
             shift = offset - BASE * scale

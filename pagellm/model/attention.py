@@ -1,7 +1,8 @@
 """Paged attention: flat batch metadata, the per-layer KV cache, and the backends behind one interface.
 
-The model calls `backend.forward(q, k, v, kv_cache, metadata)`: it writes the new K/V into the paged cache
-(quantizing to INT8 when the cache is int8) and attends over everything cached for each sequence.
+The model calls `backend.forward(q, k, v, rotation, kv_cache, metadata, scale)`: it applies the layer's rotary
+embedding to q and k, writes the new K/V into the paged cache (quantizing to INT8 when the cache is int8) and
+attends over everything cached for each sequence. Rotation and write are one kernel on the GPU.
 """
 
 from __future__ import annotations
