@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import platform
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -68,7 +69,9 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
 
 
 def write_results(name: str, payload: dict, table: str) -> Path:
-    """Write results/<name>-<date>.json and .md; returns the JSON path."""
+    """Write results/<name>-<date>.json and .md; returns the JSON path. Where OUT names a directory (the device
+    tool's output folder) both files are copied there too, so that a device call brings back what it measured
+    without copying results/ wholesale (whose many files it would not all return)."""
     RESULTS.mkdir(parents=True, exist_ok=True)
     stamp = dt.date.today().isoformat()
     path = RESULTS / f"{name}-{stamp}.json"
@@ -76,4 +79,8 @@ def write_results(name: str, payload: dict, table: str) -> Path:
     env = payload.get("environment", {})
     header = ", ".join(f"{k} {v}" for k, v in env.items())
     path.with_suffix(".md").write_text(f"# {name} ({stamp})\n\n{header}\n\n{table}\n")
+    out = os.environ.get("OUT")
+    if out and Path(out).is_dir():
+        for written in (path, path.with_suffix(".md")):
+            shutil.copy(written, out)
     return path
