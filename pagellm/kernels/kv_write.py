@@ -23,7 +23,8 @@ def _rotated_heads(
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
     """The heads at `ptr` (a token's row) rotated, as their two halves [BLOCK_H, BLOCK_HALF] in fp32 holding
-    values of the input's dtype (rounded as the unfused rotation stored them), and where they live."""
+    values rounded to the input's dtype (the values q keeps and the cache stores or quantizes), and where they
+    live."""
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (h < num_heads) & (d < HALF)
