@@ -4,7 +4,7 @@ GEMV / cuBLAS on the same shape, the prefill paths (dequantize + cuBLAS; FP8 x F
 bandwidth limit of the bytes each must read. Every configuration's output is checked against torch first. The
 table lists the best configuration per (format, rows, shape) and the best single one per (format, rows) over the
 four shapes (what `matmul_tiles` picks); the JSON holds the whole sweep. INT4 dot tiles whose block_k divides the
-group (128) run on BASE + q with the group scales applied to the sums (`_biased_int4_tile`), the others dequantize
+group (128) run on BASE + q with the group scales applied to the sums (`_biased_int4_dot`), the others dequantize
 each value to fp32 first; one row is also tried on dot tiles (block_m 16) beside the integer GEMV.
 
 Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache

@@ -44,6 +44,12 @@ def _rotated_heads(
 
 
 @triton.jit
+def _int8_scales(x1, x2):
+    """Each head's INT8 scale from its two halves [BLOCK_H, BLOCK_HALF]: absmax / 127, as reference.quantize_int8."""
+    return tl.maximum(tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1)), 1e-8) / 127.0
+
+
+@triton.jit
 def _int8_rows(x, scale):
     """x / scale rounded half up into [-127, 127], as reference.quantize_int8."""
     return tl.minimum(tl.maximum(tl.floor(tl.math.div_rn(x, scale) + 0.5), -127.0), 127.0).to(tl.int8)
@@ -84,8 +90,8 @@ def _rope_write_kv_kernel(
     k_dst = key_cache_ptr + block * stride_kb + offset * stride_ks + h * stride_kch + d
     v_dst = value_cache_ptr + block * stride_vb + offset * stride_vs + h * stride_vch + d * stride_vd
     if QUANT:
-        k_scale = tl.maximum(tl.maximum(tl.max(tl.abs(k1), axis=1), tl.max(tl.abs(k2), axis=1)), 1e-8) / 127.0
-        v_scale = tl.maximum(tl.maximum(tl.max(tl.abs(v1), axis=1), tl.max(tl.abs(v2), axis=1)), 1e-8) / 127.0
+        k_scale = _int8_scales(k1, k2)
+        v_scale = _int8_scales(v1, v2)
         tl.store(k_dst, _int8_rows(k1, k_scale[:, None]), mask=keep)
         tl.store(k_dst + HALF, _int8_rows(k2, k_scale[:, None]), mask=keep)
         tl.store(v_dst, _int8_rows(v1, v_scale[:, None]), mask=keep)

@@ -105,19 +105,6 @@ def _unpack_ints(words, BITS: tl.constexpr):
 
 
 @triton.jit
-def _biased_int4_tile(
-    w_ptr, rows, k0, N, K, stride_w, BASE: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr
-):  # fmt: skip
-    """INT4 weight rows `rows`, columns k0 .. k0 + BLOCK_K, as BASE + q in the 16-bit float DTYPE, exactly: q
-    placed in the mantissa of BASE (128 in bf16, 1024 in fp16: the powers of two whose spacing there is 1) by bit
-    operations alone, where converting each integer to a float and scaling it runs on the slower conversion
-    units."""
-    words = _load_words(w_ptr, rows, k0, N, K, stride_w, 4, BLOCK_K)
-    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
-    return (_unpack_ints(words, 4) | BASE_BITS).to(tl.int16).to(DTYPE, bitcast=True)
-
-
-@triton.jit
 def _x_pair_planes(x, WORDS: tl.constexpr):
     """x [M, 8 * WORDS] -> four planes [M, 2 * WORDS]: plane q holds columns 8j + q and 8j + q + 4 at 2j and
     2j + 1, the columns that values q and q + 4 of a tile's INT4 word j multiply (splits keep each value in the
@@ -133,17 +120,19 @@ def _x_pair_planes(x, WORDS: tl.constexpr):
 def _biased_int4_dot(
     w_ptr, rows, k0, N, K, stride_w, x, BASE: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
-    """The dot of INT4 weight rows `rows`, as BASE + q (`_biased_int4_tile`), with x [M, BLOCK_K] over columns
-    k0 .. k0 + BLOCK_K: [BLOCK_N, M] (SWAP_AB) or [M, BLOCK_N].
+    """The dot of INT4 weight rows `rows` with x [M, BLOCK_K] over columns k0 .. k0 + BLOCK_K: [BLOCK_N, M]
+    (SWAP_AB) or [M, BLOCK_N]. The weights enter as BASE + q in x's 16-bit float dtype, exactly: q placed in the
+    mantissa of BASE (128 in bf16, 1024 in fp16: the powers of two whose spacing there is 1) by bit operations
+    alone, where converting each integer to a float and scaling it runs on the slower conversion units.
 
     From 64 columns on it runs as four dots, one per pair of value positions (q, q + 4) of the words against x's
     matching columns (`_x_pair_planes`): each operand is then an element-wise function of the loaded words, so
     Triton moves the words (a quarter of the bf16 tile's bytes) into the dot's register layout, where the whole
     unpacked tile would go through shared memory; and the two values of a 32-bit register come from one word,
     (word >> 4q) & 0x000F000F | BASE_BITS x 0x10001 making both."""
+    words = _load_words(w_ptr, rows, k0, N, K, stride_w, 4, BLOCK_K)
+    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
     if BLOCK_K >= 64:
-        words = _load_words(w_ptr, rows, k0, N, K, stride_w, 4, BLOCK_K)
-        BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
         planes = _x_pair_planes(x, BLOCK_K // 8)
         part = tl.zeros([rows.shape[0], x.shape[0]] if SWAP_AB else [x.shape[0], rows.shape[0]], tl.float32)
         for q in tl.static_range(4):
@@ -153,7 +142,7 @@ def _biased_int4_dot(
             w = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K // 4))
             part = tl.dot(w, tl.trans(planes[q]), part) if SWAP_AB else tl.dot(planes[q], tl.trans(w), part)
     else:
-        w = _biased_int4_tile(w_ptr, rows, k0, N, K, stride_w, BASE, BLOCK_K, x.dtype)
+        w = (_unpack_ints(words, 4) | BASE_BITS).to(tl.int16).to(x.dtype, bitcast=True)
         part = tl.dot(w, tl.trans(x)) if SWAP_AB else tl.dot(x, tl.trans(w))
     return part
 
