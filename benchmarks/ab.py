@@ -118,7 +118,8 @@ def main() -> None:
             "a": args.label_a,
             "b": args.label_b,
             "quantization": args.quantization,
-            "note": "dummy weights, bf16, CUDA graphs, max_model_len 4096; mean of two processes "
+            "note": f"dummy weights ({args.quantization if args.quantization != 'none' else 'bf16'}, bf16 "
+            "activations), CUDA graphs, max_model_len 4096; mean of two processes "
             "each (order A B B A); throughput: 256 requests, in/out U[100, 1024], top-p 0.95; "
             f"decode: batches {args.batches}, 128-token prompts, 256 new tokens",
         },
