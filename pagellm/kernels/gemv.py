@@ -27,7 +27,7 @@ from pagellm.kernels.pdl import launch_early, wait_for_inputs
 FEW_ROWS = 16  # the most rows `few_rows_matmul` serves faster than cuBLAS (H200 sweep of 2026-12-04)
 
 
-# What a kernel computes from its input before the product (`_input_tile`): nothing; RMSNorm of x + residual;
+# What a kernel computes from its input before the product (`input_tile`): nothing; RMSNorm of x + residual;
 # SwiGLU's silu(gate) * up of x = gate | up.
 PLAIN = tl.constexpr(0)
 RMS_NORM = tl.constexpr(1)
@@ -44,7 +44,7 @@ def _block_input(x_ptr, res_ptr, cols, mask, HAS_RESIDUAL: tl.constexpr):
 
 
 @triton.jit
-def _input_tile(x_ptr, res_ptr, norm_ptr, cols, mask, K, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+def input_tile(x_ptr, res_ptr, norm_ptr, cols, mask, K, rstd, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
     """The product's input at `cols`, rounded as the separate kernels round it (rmsnorm.py, activation.py), so the
     fused product is theirs: x; rms_norm(x + residual), given the row's 1/rms `rstd`; silu(gate) * up of
     x = gate | up."""
@@ -62,6 +62,25 @@ def _input_tile(x_ptr, res_ptr, norm_ptr, cols, mask, K, rstd, PROLOGUE: tl.cons
 
 
 @triton.jit
+def prologue_rstd(
+    x_ptr, res_ptr, res_out_ptr, K, eps,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROW: tl.constexpr,
+):  # fmt: skip
+    """RMS_NORM: the whole row's 1/rms in a first pass over it (a few KB, from L2; program 0 also stores x +
+    residual, the residual stream's next value). 1.0 for the other prologues."""
+    rstd = 1.0
+    if PROLOGUE == RMS_NORM:
+        row = tl.arange(0, BLOCK_ROW)
+        row_mask = row < K
+        whole = _block_input(x_ptr, res_ptr, row, row_mask, HAS_RESIDUAL)
+        if HAS_RESIDUAL:
+            tl.store(res_out_ptr + row, whole, mask=row_mask & (tl.program_id(0) == 0))
+        whole_f = whole.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
+    return rstd
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, N, K, stride_w, eps,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
@@ -76,22 +95,14 @@ def _gemv_kernel(
     c_mask = cols < K
     w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
     wait_for_inputs(PDL)
-    rstd = 1.0
-    if PROLOGUE == RMS_NORM:  # a first pass over the whole row (a few KB, from L2) in one tile: its 1/rms
-        row = tl.arange(0, BLOCK_ROW)
-        row_mask = row < K
-        whole = _block_input(x_ptr, res_ptr, row, row_mask, HAS_RESIDUAL)
-        if HAS_RESIDUAL:
-            tl.store(res_out_ptr + row, whole, mask=row_mask & (pid == 0))
-        whole_f = whole.to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(whole_f * whole_f, axis=0) / K + eps)
-    x = _input_tile(x_ptr, res_ptr, norm_ptr, cols, c_mask, K, rstd, PROLOGUE, HAS_RESIDUAL)
+    rstd = prologue_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_ROW)
+    x = input_tile(x_ptr, res_ptr, norm_ptr, cols, c_mask, K, rstd, PROLOGUE, HAS_RESIDUAL)
     acc = w.to(tl.float32) * x.to(tl.float32)[None, :]  # reduced once at the end, not per tile
     for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         c_mask = cols < K
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=r_mask[:, None] & c_mask[None, :], other=0.0)
-        x = _input_tile(x_ptr, res_ptr, norm_ptr, cols, c_mask, K, rstd, PROLOGUE, HAS_RESIDUAL)
+        x = input_tile(x_ptr, res_ptr, norm_ptr, cols, c_mask, K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
     tl.store(out_ptr + rows, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=r_mask)
 

@@ -5,7 +5,7 @@ structured-output mask) everywhere else. Layers call
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -19,6 +19,17 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 GROUPED_FUSED_ROWS = 16
 INT4_FUSED_ROWS = 64
 FP8_WEIGHT_ONLY_ROWS = 16  # FP8 weights: rows up to which the weight-only matmul beats FP8 x FP8 tensor cores
+
+
+class QuantizedWeight(NamedTuple):
+    """A quantized linear layer's stored tensors in kernels/quant_matmul.py's formats: `bits`-wide integers with
+    group scales and offsets, or FP8 (offsets None) with one scale per output row."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor | None
+    bits: int
+    group_size: int
 
 
 class Ops(Protocol):
@@ -63,6 +74,22 @@ class Ops(Protocol):
         self, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
     ) -> torch.Tensor: ...
 
+    def quantized_rms_norm_linear(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        norm_weight: torch.Tensor,
+        eps: float,
+        weight: QuantizedWeight,
+        bias: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rms_norm_linear` over a quantized weight."""
+        ...
+
+    def quantized_silu_and_mul_linear(
+        self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None
+    ) -> torch.Tensor: ...
+
     def sample_rows(
         self,
         logits: torch.Tensor,
@@ -77,7 +104,31 @@ class Ops(Protocol):
     def apply_token_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: torch.Tensor) -> None: ...
 
 
-class TorchOps:
+class _Composed:
+    """The fused ops as their parts, one op after the other: TorchOps' twins, and TritonOps' way where no fused
+    kernel serves."""
+
+    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
+        return self.linear(normed, weight, bias), residual
+
+    def silu_and_mul_linear(self, x, weight, bias=None):
+        return self.linear(self.silu_and_mul(x), weight, bias)
+
+    def quantized_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
+        return self.quantized_linear(normed, weight, bias), residual
+
+    def quantized_silu_and_mul_linear(self, x, weight, bias=None):
+        return self.quantized_linear(self.silu_and_mul(x), weight, bias)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None):
+        if weight.offsets is None:
+            return self.fp8_linear(x, weight.weight, weight.scales, bias)
+        return self.grouped_linear(x, *weight, bias)
+
+
+class TorchOps(_Composed):
     """The reference twins (the CPU path and the oracle of the Triton kernels), but for the structured-output mask,
     which numpy unpacks faster than the twin."""
 
@@ -93,13 +144,6 @@ class TorchOps:
         if weight.is_mkldnn:  # dense in, dense out; the op torch.compile uses for frozen CPU linears
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), weight, bias, "none", [], "")
         return F.linear(x, weight, bias)
-
-    def rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
-        return self.linear(normed, weight, bias), residual
-
-    def silu_and_mul_linear(self, x, weight, bias=None):
-        return self.linear(self.silu_and_mul(x), weight, bias)
 
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
         return reference.weight_only_matmul(x, qweight, scales, offsets, bits, group_size, bias)
@@ -127,7 +171,7 @@ class TorchOps:
             logits[rows] = logits[rows].masked_fill_(blocked, float("-inf"))
 
 
-class TritonOps:
+class TritonOps(_Composed):
     """The Triton kernels of this package (CUDA); imported here, so the CPU path never imports Triton."""
 
     name = "triton"
@@ -167,14 +211,13 @@ class TritonOps:
         if self._decode_rows(x, bias) and x.shape[0] == 1:
             residual = None if residual is None else residual.contiguous()
             return self._gemv.rms_norm_gemv(x.contiguous(), residual, norm_weight, eps, weight)
-        normed, residual = self.rms_norm(x, norm_weight, eps, residual)
-        return self.linear(normed, weight, bias), residual
+        return super().rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def silu_and_mul_linear(self, x, weight, bias=None):
         """One decode row applies SwiGLU inside the GEMV's loads (one launch instead of two)."""
         if self._decode_rows(x, bias) and x.shape[0] == 1:
             return self._gemv.silu_and_mul_gemv(x.contiguous(), weight)
-        return self.linear(self.silu_and_mul(x), weight, bias)
+        return super().silu_and_mul_linear(x, weight, bias)
 
     def _decode_rows(self, x: torch.Tensor, bias: torch.Tensor | None) -> bool:
         return x.dim() == 2 and 0 < x.shape[0] <= self._gemv.FEW_ROWS and bias is None and x.dtype in HALF_DTYPES
@@ -199,6 +242,18 @@ class TritonOps:
         x_fp8, x_scale = self._quant.fp8_quantize_rows(x.contiguous())
         out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
         return out if bias is None else out + bias
+
+    def quantized_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
+        """One decode row normalizes inside the weight-only GEMV's loads, as `rms_norm_linear` does."""
+        if x.dim() == 2 and x.shape[0] == 1:
+            return self._quant.rms_norm_weight_only_gemv(x, residual, norm_weight, eps, *weight, bias)
+        return super().quantized_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
+
+    def quantized_silu_and_mul_linear(self, x, weight, bias=None):
+        """One decode row applies SwiGLU inside the weight-only GEMV's loads."""
+        if x.dim() == 2 and x.shape[0] == 1:
+            return self._quant.silu_and_mul_weight_only_gemv(x, *weight, bias)
+        return super().quantized_silu_and_mul_linear(x, weight, bias)
 
     def sample_rows(self, logits, inv_temperature, greedy, top_p, seeds):
         return self._sampling.sample_rows(logits, inv_temperature, greedy, top_p, seeds)

@@ -13,7 +13,8 @@ its own, in integers: x as two int8 parts per 32 columns, multiplied with each w
 was loaded by dp4a (four products and their sum an instruction). On Llama-3.1-8B's shapes on the H200 that is
 1.8-2.1x the bf16 GEMV (benchmarks/results/quant-kernels-x16-2026-12-04). Many rows (prefill) go through
 `dequantize` plus cuBLAS for the integers, and FP8 x FP8 `torch._scaled_mm` with per-token activation scales for
-FP8 (`fp8_quantize_rows`).
+FP8 (`fp8_quantize_rows`). The one-row kernels also take in the op before the product, as the bf16 GEMV does
+(`rms_norm_weight_only_gemv`, `silu_and_mul_weight_only_gemv`), so that a decode row launches fewer kernels.
 """
 
 from __future__ import annotations
@@ -24,15 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.gemv import PLAIN, RMS_NORM, SILU_MUL, input_tile, prologue_rstd
 from pagellm.kernels.paged_kv import asm_conversions
 from pagellm.kernels.pdl import launch_early, wait_for_inputs
 
 
 @triton.jit
-def _load_words(w_ptr, rows, k0, N, K, stride_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
-    """The int32 words packing weight rows `rows`, columns k0 .. k0 + BLOCK_K (zero past N and K)."""
+def _load_words(w_ptr, rows, k0, N, k_words, stride_w, BITS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The int32 words packing weight rows `rows`, columns k0 .. k0 + BLOCK_K (zero past N and K). `k_words`, the
+    words of a row, comes as an argument: K * BITS // 32 computed in the kernel is known divisible by 2 only (K
+    by 16), which splits the loads into 8-byte pieces."""
     word_cols = k0 * BITS // 32 + tl.arange(0, BLOCK_K * BITS // 32)
-    mask = (rows < N)[:, None] & (word_cols < K * BITS // 32)[None, :]
+    mask = (rows < N)[:, None] & (word_cols < k_words)[None, :]
     return tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
 
 
@@ -46,7 +50,7 @@ def _group_scales(scale_ptr, offset_ptr, rows, group, N, stride_s):
 
 @triton.jit
 def _load_weight_tile(
-    w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s,
+    w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """Weight rows `rows`, columns k0 .. k0 + BLOCK_K, as fp32 [BLOCK_N, BLOCK_K]; FP8 tiles are unscaled (their
@@ -58,7 +62,7 @@ def _load_weight_tile(
         mask = r_mask[:, None] & (cols < K)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_w + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     else:
-        q = _unpack(_load_words(w_ptr, rows, k0, N, K, stride_w, BITS, BLOCK_K), BITS)
+        q = _unpack(_load_words(w_ptr, rows, k0, N, k_words, stride_w, BITS, BLOCK_K), BITS)
         if BLOCK_K <= GROUP:  # the tile lies in one group: one scale per row
             scale, offset = _group_scales(scale_ptr, offset_ptr, rows, k0 // GROUP, N, stride_s)
             w = q * scale[:, None] + offset[:, None]
@@ -118,7 +122,7 @@ def _x_pair_planes(x, WORDS: tl.constexpr):
 
 @triton.jit
 def _biased_int4_dot(
-    w_ptr, rows, k0, N, K, stride_w, x, BASE: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr
+    w_ptr, rows, k0, N, k_words, stride_w, x, BASE: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr
 ):  # fmt: skip
     """The dot of INT4 weight rows `rows` with x [M, BLOCK_K] over columns k0 .. k0 + BLOCK_K: [BLOCK_N, M]
     (SWAP_AB) or [M, BLOCK_N]. The weights enter as BASE + q in x's 16-bit float dtype, exactly: q placed in the
@@ -130,7 +134,7 @@ def _biased_int4_dot(
     Triton moves the words (a quarter of the bf16 tile's bytes) into the dot's register layout, where the whole
     unpacked tile would go through shared memory; and the two values of a 32-bit register come from one word,
     (word >> 4q) & 0x000F000F | BASE_BITS x 0x10001 making both."""
-    words = _load_words(w_ptr, rows, k0, N, K, stride_w, 4, BLOCK_K)
+    words = _load_words(w_ptr, rows, k0, N, k_words, stride_w, 4, BLOCK_K)
     BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
     if BLOCK_K >= 64:
         planes = _x_pair_planes(x, BLOCK_K // 8)
@@ -149,24 +153,30 @@ def _biased_int4_dot(
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, N, K, k_words,
+    stride_w, stride_s, eps,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROW: tl.constexpr,
 ):  # fmt: skip
     """One activation row: multiply-adds into a [BLOCK_N, BLOCK_K] accumulator reduced once at the end, as the
-    bf16 GEMV does, on weight tiles dequantized in registers."""
+    bf16 GEMV does, on weight tiles dequantized in registers. PROLOGUE: the op before the product, taken into the
+    loads of x as in the bf16 GEMV (gemv.py)."""
     wait_for_inputs(PDL)
+    rstd = prologue_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_ROW)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
     acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for k0 in range(0, K, BLOCK_K):
         w = _load_weight_tile(
-            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
-        )
+            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N,
+            BLOCK_K,
+        )  # fmt: skip
         # x loaded per row of the tile (the same addresses, L1 hits): [BLOCK_N, BLOCK_K] takes the weight tile's
         # register layout, where a [BLOCK_K] load would take its own and convert the tile through shared memory.
         cols = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_ptr + (rows * 0)[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+        x_offs = (rows * 0)[:, None] + cols[None, :]
+        x = input_tile(x_ptr, res_ptr, norm_ptr, x_offs, (cols < K)[None, :], K, rstd, PROLOGUE, HAS_RESIDUAL)
         acc += w * x.to(tl.float32)
     out = tl.sum(acc, axis=1)
     if FP8:
@@ -253,14 +263,16 @@ def _packed_x_bytes(xq, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def _int4_weight_tile(
-    w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, stride_w, stride_s, GROUP: tl.constexpr, WORDS: tl.constexpr
+    w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, k_words, stride_w, stride_s,
+    GROUP: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """The words of weight rows `rows` from column k0 (8 * WORDS columns) and the fp32 scales and offsets of their
-    32-column groups."""
+    32-column groups. `k_words` (K / 8) comes as an argument: K // 8 computed here would be known divisible by 2
+    only (K by 16), which splits the loads into 8-byte pieces."""
     word_cols = k0 // 8 + tl.arange(0, WORDS)
     words = tl.load(
         w_ptr + rows[:, None] * stride_w + word_cols[None, :],
-        mask=r_mask[:, None] & (word_cols < K // 8)[None, :],
+        mask=r_mask[:, None] & (word_cols < k_words)[None, :],
         other=0,
     )
     x_groups = k0 // 32 + tl.arange(0, WORDS // 4)
@@ -272,15 +284,23 @@ def _int4_weight_tile(
 
 
 @triton.jit
-def _int4_tile_sums(
-    words, scale, offset, x_ptr, k0, K, ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr
+def _int4_x_tile(
+    x_ptr, res_ptr, norm_ptr, k0, K, rstd,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
-    """Each row's products with x over the tile's 32-column groups [BLOCK_N, WORDS / 4] (see `_int4_gemv_kernel`)."""
-    XG: tl.constexpr = WORDS // 4
-    x_groups = k0 // 32 + tl.arange(0, XG)
-    xg_mask = x_groups < K // 32
+    """The product's input at columns k0 .. k0 + 8 * WORDS as fp32 [WORDS / 4, 32], one 32-column group a row
+    (zero past K), after the prologue (`gemv.input_tile`)."""
+    x_groups = k0 // 32 + tl.arange(0, WORDS // 4)
     x_offs = 32 * x_groups[:, None] + tl.arange(0, 32)[None, :]
-    x = tl.load(x_ptr + x_offs, mask=xg_mask[:, None], other=0.0).to(tl.float32)  # [XG, 32]
+    mask = (x_groups < K // 32)[:, None]
+    return input_tile(x_ptr, res_ptr, norm_ptr, x_offs, mask, K, rstd, PROLOGUE, HAS_RESIDUAL).to(tl.float32)
+
+
+@triton.jit
+def _int4_tile_sums(words, scale, offset, x, ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
+    """Each row's products with x [WORDS / 4, 32] (`_int4_x_tile`) over the tile's 32-column groups
+    [BLOCK_N, WORDS / 4] (see `_int4_gemv_kernel`)."""
+    XG: tl.constexpr = WORDS // 4
     x_max = tl.max(tl.abs(x), axis=1)
     v = x * (127.0 / tl.where(x_max > 0, x_max, 1.0))[:, None]  # all-zero groups stay zero
     hi = _round_to_int(v)
@@ -295,9 +315,10 @@ def _int4_tile_sums(
 
 @triton.jit
 def _int4_gemv_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, N, K, stride_w, stride_s,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, N, K, k_words,
+    stride_w, stride_s, eps,
     GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, ASM: tl.constexpr, BLOCK_N: tl.constexpr, WORDS: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, BLOCK_ROW: tl.constexpr,
 ):  # fmt: skip
     """One activation row over INT4 words, in integers. x is taken per 32 columns as 254 * hi + lo: hi its int8
     rounding (absmax to 127) and lo that rounding's error in 1/254ths, so x keeps ~15 bits against its group's
@@ -306,19 +327,24 @@ def _int4_gemv_kernel(
     (w = q * scale + offset) meets the exact sum of x's 32 columns. Every program quantizes the x tile it reads
     (L2 hits, shared by BLOCK_N rows): on the H200 a variant with no x work at all was no faster. Each iteration
     loads the words and scales before x, so that their round trips overlap; the first tile's are loaded before
-    waiting for the kernel before (weights are written by no kernel; under PDL they overlap it)."""
+    waiting for the kernel before (weights are written by no kernel; under PDL they overlap it). Loading each next
+    tile an iteration ahead was 2-10% slower per shape on the H100. PROLOGUE: the op before the product, taken into
+    the loads of x as in the bf16 GEMV (gemv.py)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
     words, scale, offset = _int4_weight_tile(
-        w_ptr, scale_ptr, offset_ptr, rows, r_mask, 0, K, stride_w, stride_s, GROUP, WORDS
+        w_ptr, scale_ptr, offset_ptr, rows, r_mask, 0, K, k_words, stride_w, stride_s, GROUP, WORDS
     )
     wait_for_inputs(PDL)
-    acc = _int4_tile_sums(words, scale, offset, x_ptr, 0, K, ASM, BLOCK_N, WORDS)
+    rstd = prologue_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_ROW)
+    x = _int4_x_tile(x_ptr, res_ptr, norm_ptr, 0, K, rstd, PROLOGUE, HAS_RESIDUAL, WORDS)
+    acc = _int4_tile_sums(words, scale, offset, x, ASM, BLOCK_N, WORDS)
     for k0 in range(8 * WORDS, K, 8 * WORDS):
         words, scale, offset = _int4_weight_tile(
-            w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, stride_w, stride_s, GROUP, WORDS
+            w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, k_words, stride_w, stride_s, GROUP, WORDS
         )
-        acc += _int4_tile_sums(words, scale, offset, x_ptr, k0, K, ASM, BLOCK_N, WORDS)
+        x = _int4_x_tile(x_ptr, res_ptr, norm_ptr, k0, K, rstd, PROLOGUE, HAS_RESIDUAL, WORDS)
+        acc += _int4_tile_sums(words, scale, offset, x, ASM, BLOCK_N, WORDS)
     out = tl.sum(acc, axis=1)
     if HAS_BIAS:
         out += tl.load(bias_ptr + rows, mask=r_mask, other=0.0).to(tl.float32)
@@ -327,8 +353,8 @@ def _int4_gemv_kernel(
 
 @triton.jit
 def _tile_matmul_kernel(
-    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, k_per_split, stride_x, stride_w, stride_s,
-    stride_out,
+    x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, k_words, tiles_per_split, stride_x, stride_w,
+    stride_s, stride_out,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BASE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
@@ -336,9 +362,11 @@ def _tile_matmul_kernel(
     out^T = W x^T, so the weight tile is the dot's first operand (Hopper's wgmma takes that one from registers,
     the second only from shared memory) and BLOCK_N, not the few tokens, is its 64-row side.
 
-    Program (i, j, s) sums columns [s * k_per_split, (s + 1) * k_per_split) only. With several splits (grid axis
-    2) out holds their fp32 partial sums [splits, M, N] (the bias in split 0's), which `_sum_splits_kernel` adds
-    up: with few rows, a weight of 4,096 rows gives too few row tiles to keep every SM reading.
+    Program (i, j, s) sums the columns of tiles [s * tiles_per_split, (s + 1) * tiles_per_split) only (counted in
+    tiles, so that the compiler knows each split's start divisible by BLOCK_K and loads whole 16-byte vectors).
+    With several splits (grid axis 2) out holds their fp32 partial sums [splits, M, N] (the bias in split 0's),
+    which `_sum_splits_kernel` adds up: with few rows, a weight of 4,096 rows gives too few row tiles to keep every
+    SM reading.
 
     BASE 128 or 1024 (INT4 with bf16 or fp16 activations, each tile inside one group; 0 otherwise): the dot
     runs on BASE + q as stored (`_biased_int4_dot`), and the group's scale s and offset o apply to its sums:
@@ -349,8 +377,8 @@ def _tile_matmul_kernel(
     r_mask, t_mask = rows < N, tokens < M
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     split = tl.program_id(2)
-    k_start = split * k_per_split
-    k_end = tl.minimum(k_start + k_per_split, K)
+    k_start = split * tiles_per_split * BLOCK_K
+    k_end = tl.minimum(k_start + tiles_per_split * BLOCK_K, K)
     if BASE:  # each iteration loads the next tile's group scales, used an iteration later, so that their round
         # trip overlaps a tile's work (Triton's pipeliner leaves loads that feed no dot waiting where they are used)
         scale, offset = _group_scales(scale_ptr, offset_ptr, rows, k_start // GROUP, N, stride_s)
@@ -364,7 +392,7 @@ def _tile_matmul_kernel(
             next_scale, next_offset = _group_scales(
                 scale_ptr, offset_ptr, rows, (k0 + BLOCK_K) // GROUP, tl.where(last, 0, N), stride_s
             )
-            part = _biased_int4_dot(w_ptr, rows, k0, N, K, stride_w, x, BASE, SWAP_AB, BLOCK_K)
+            part = _biased_int4_dot(w_ptr, rows, k0, N, k_words, stride_w, x, BASE, SWAP_AB, BLOCK_K)
             shift = offset - BASE * scale
             x_sum = tl.sum(x.to(tl.float32), axis=1)
             if SWAP_AB:
@@ -374,8 +402,9 @@ def _tile_matmul_kernel(
             scale, offset = next_scale, next_offset
         else:
             w = _load_weight_tile(
-                w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N, BLOCK_K
-            ).to(x.dtype)
+                w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N,
+                BLOCK_K,
+            ).to(x.dtype)  # fmt: skip
             acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
     out = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
     if FP8:
@@ -400,13 +429,13 @@ def _sum_splits_kernel(partial_ptr, out_ptr, numel, SPLIT_K: tl.constexpr, BLOCK
 
 @triton.jit
 def _dequantize_kernel(
-    w_ptr, scale_ptr, offset_ptr, out_ptr, N, K, stride_w, stride_s, stride_out,
+    w_ptr, scale_ptr, offset_ptr, out_ptr, N, K, k_words, stride_w, stride_s, stride_out,
     BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     w = _load_weight_tile(
-        w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, stride_w, stride_s, False, BITS, GROUP, BLOCK_N, BLOCK_K
+        w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s, False, BITS, GROUP, BLOCK_N, BLOCK_K
     )
     cols = k0 + tl.arange(0, BLOCK_K)
     mask = (rows < N)[:, None] & (cols < K)[None, :]
@@ -443,13 +472,19 @@ class Tiles(NamedTuple):
     split_k: int = 1
 
 
-def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128) -> Tiles:
+def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128, n: int = 0, k: int = 0) -> Tiles:
     """The best single configuration over Llama-3.1-8B's four linear shapes in a sweep (benchmarks/results: one row
     quant-kernels-2026-12-03 and -x16-2026-12-04 on the H200; FP8 2-16 rows quant-kernels-x16-h100-2026-12-06, INT4
     2-64 rows quant-kernels-int4-h100-2026-12-06): narrow row tiles or split columns, so even N = 4,096 spreads over
-    every SM."""
+    every SM. One row of INT4 also by the weight's shape [n, k], as the best per shape on both the H200 and the H100
+    (ab-int4-one-row-2026-12-06): narrower tiles for the widest weight (gate|up), 8 warps for the longest rows
+    (down_proj)."""
+    if m == 1 and fp8:
+        return Tiles(1, 8, 1024, 4, 2)
     if m == 1:  # INT4's block_k: 8 x the words of a row per iteration of its own kernel
-        return Tiles(1, 8, 1024, 4, 2) if fp8 else Tiles(1, 8, 2048, 4, 2)
+        if n > 16384:
+            return Tiles(1, 16, 1024, 4, 2)
+        return Tiles(1, 8, 2048, 8 if k > 8192 else 4, 2)
     if fp8:  # up to FP8_WEIGHT_ONLY_ROWS rows
         return Tiles(16, 32, 256, 4, 4, split_k=2)
     if bits == 4 and group_size % 64 == 0:  # INT4 pair-plane dots need 64 columns inside one group
@@ -480,81 +515,145 @@ def weight_only_matmul(
     fp8 = offsets is None
     m, k = x.shape
     n = weight.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    t = tiles or matmul_tiles(m, fp8, bits, group_size)
-    common = dict(
-        FP8=fp8,
-        BITS=bits,
-        GROUP=max(group_size, 1),  # unused by FP8
-        HAS_BIAS=bias is not None,
-        BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
-    )
-    offsets = scales if fp8 else offsets
-    bias = bias if bias is not None else scales
+    t = tiles or matmul_tiles(m, fp8, bits, group_size, n, k)
     if t.block_m == 1:
         if m != 1:
             raise ValueError(f"one-row tiles (block_m 1) given {m} rows")
-        grid = (triton.cdiv(n, t.block_n),)
-        pdl = launch_early(x, 1)
-        if bits == 4 and group_size % 32 == 0 and k % 32 == 0:  # whole 32-column x groups in each group
-            _int4_gemv_kernel[grid](
-                x,
-                weight,
-                scales,
-                offsets,
-                bias,
-                out,
-                n,
-                k,
-                weight.stride(0),
-                scales.stride(0),
-                GROUP=group_size,
-                HAS_BIAS=common["HAS_BIAS"],
-                ASM=asm_conversions(x),
-                BLOCK_N=t.block_n,
-                WORDS=max(t.block_k // 8, 1),
-                PDL=pdl,
-                num_warps=t.num_warps,
-                num_stages=t.num_stages,
-                launch_pdl=pdl,
-            )
-            return out
-        _gemv_kernel[grid](
-            x, weight, scales, offsets, bias, out, n, k, weight.stride(0), scales.stride(0), PDL=pdl, launch_pdl=pdl,
-            **common,
-        )  # fmt: skip
-        return out
+        return _one_row(x, weight, scales, offsets, bits, group_size, bias, t, PLAIN)[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    offsets = scales if fp8 else offsets
     # Each split's columns start a tile (and so, with BASE, a group); fewer splits when K has too few tiles.
-    k_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k) * t.block_k
-    split_k = triton.cdiv(k, k_per_split)
+    tiles_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k)
+    split_k = triton.cdiv(k, tiles_per_split * t.block_k)
     partials = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
     _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), split_k)](
         x,
         weight,
         scales,
         offsets,
-        bias,
+        scales if bias is None else bias,  # unread without a bias
         partials,
         m,
         n,
         k,
-        k_per_split,
+        weight.shape[1],
+        tiles_per_split,
         x.stride(0),
         weight.stride(0),
         scales.stride(0),
         n,
-        BLOCK_M=t.block_m,
-        SWAP_AB=t.swap_ab,
+        FP8=fp8,
+        BITS=bits,
+        GROUP=max(group_size, 1),  # unused by FP8
+        HAS_BIAS=bias is not None,
         BASE=_int4_dot_base(x.dtype) if bits == 4 and not fp8 and group_size % t.block_k == 0 else 0,
-        **common,
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        SWAP_AB=t.swap_ab,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
     )
     if split_k > 1:
         block = 1024
         _sum_splits_kernel[(triton.cdiv(m * n, block),)](partials, out, m * n, SPLIT_K=split_k, BLOCK=block)
     return out
+
+
+def rms_norm_weight_only_gemv(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reference.rms_norm(x, norm_weight, eps, residual)`'s output @ W^T, and x + residual, for one row (x [1, K])
+    in one launch, as `gemv.rms_norm_gemv` for a plain weight."""
+    tiles = matmul_tiles(1, offsets is None, bits, group_size, *_shape(weight, bits, offsets is None))
+    return _one_row(x, weight, scales, offsets, bits, group_size, bias, tiles, RMS_NORM, residual, norm_weight, eps)
+
+
+def silu_and_mul_weight_only_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`reference.silu_and_mul(x)` @ W^T for one row (x [1, 2K]: gate | up) in one launch."""
+    tiles = matmul_tiles(1, offsets is None, bits, group_size, *_shape(weight, bits, offsets is None))
+    return _one_row(x, weight, scales, offsets, bits, group_size, bias, tiles, SILU_MUL)[0]
+
+
+def _shape(weight: torch.Tensor, bits: int, fp8: bool) -> tuple[int, int]:
+    """[N, K] of the weight a stored tensor holds."""
+    return weight.shape[0], weight.shape[1] if fp8 else weight.shape[1] * 32 // bits
+
+
+def _one_row(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    group_size: int,
+    bias: torch.Tensor | None,
+    t: Tiles,
+    prologue: tl.constexpr,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one-row product after `prologue` (gemv.py's PLAIN, RMS_NORM or SILU_MUL), and the new residual (x +
+    residual; x itself without one)."""
+    fp8 = offsets is None
+    x = x.contiguous()
+    residual = None if residual is None else residual.contiguous()
+    n, k = _shape(weight, bits, fp8)  # x has 2K columns under SILU_MUL
+    out = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    residual_out = x if residual is None else torch.empty_like(x)
+    pdl = launch_early(x, 1)
+    prologue_args = dict(
+        PROLOGUE=prologue.value,
+        HAS_RESIDUAL=residual is not None,
+        BLOCK_ROW=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
+        PDL=pdl,
+        HAS_BIAS=bias is not None,
+        BLOCK_N=t.block_n,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+        launch_pdl=pdl,
+    )
+    pointers = (
+        x,
+        weight,
+        scales,
+        scales if fp8 else offsets,  # unread by FP8
+        scales if bias is None else bias,  # unread without a bias
+        out,
+        x if residual is None else residual,  # unread without a residual
+        residual_out,
+        x if norm_weight is None else norm_weight,  # unread without a norm
+    )
+    grid = (triton.cdiv(n, t.block_n),)
+    if bits == 4 and not fp8 and group_size % 32 == 0 and k % 32 == 0:  # whole 32-column x groups in each group
+        _int4_gemv_kernel[grid](
+            *pointers, n, k, weight.shape[1], weight.stride(0), scales.stride(0), eps,
+            GROUP=group_size, ASM=asm_conversions(x), WORDS=max(t.block_k // 8, 1), **prologue_args,
+        )  # fmt: skip
+    else:
+        _gemv_kernel[grid](
+            *pointers, n, k, weight.shape[1], weight.stride(0), scales.stride(0), eps,
+            FP8=fp8, BITS=bits, GROUP=max(group_size, 1), BLOCK_K=t.block_k, **prologue_args,
+        )  # fmt: skip
+    return out, residual_out
 
 
 def dequantize(
@@ -572,6 +671,7 @@ def dequantize(
         out,
         n,
         k,
+        qweight.shape[1],
         qweight.stride(0),
         scales.stride(0),
         out.stride(0),

@@ -63,18 +63,16 @@ class Linear(nn.Module):
     def after_norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """self(norm(x + residual)) and x + residual: one fused op where the weight is plain (decode rows on the
-        GPU run one kernel)."""
+        """self(norm(x + residual)) and x + residual: one fused op (a decode row on the GPU runs one kernel)."""
         if self.method is None:
             return self.ops.rms_norm_linear(x, residual, norm.weight, norm.eps, self.weight, self.bias)
-        hidden, residual = norm(x, residual)
-        return self(hidden), residual
+        return self.method.apply_after_norm(self, norm, x, residual, self.bias)
 
     def after_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """self(silu(gate) * up) of x = gate | up, fused likewise."""
         if self.method is None:
             return self.ops.silu_and_mul_linear(x, self.weight, self.bias)
-        return self(self.ops.silu_and_mul(x))
+        return self.method.apply_after_silu_and_mul(self, x, self.bias)
 
     def shard_rows(self, shard: int | None) -> slice:
         """The output rows that checkpoint shard `shard` of a merged layer fills (all of them for a plain one)."""

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from pagellm.kernels import reference
+from pagellm.kernels.ops import QuantizedWeight
 from pagellm.quantization.config import QuantizationConfig, check_tensor_parallel_quantization
 from pagellm.quantization.packing import pack_int32, unpack_int32
 
 if TYPE_CHECKING:
-    from pagellm.model.layers import Linear
+    from pagellm.model.layers import Linear, RMSNorm
 
 # AutoAWQ packs the 8 nibbles of a word in the column order 0, 2, 4, 6, 1, 3, 5, 7; this puts them back.
 AWQ_UNPACK_ORDER = torch.tensor([0, 4, 1, 5, 2, 6, 3, 7])
@@ -37,6 +38,16 @@ class LinearMethod(Protocol):
     def finalize(self, layer: Linear) -> None: ...
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor: ...
+
+    def apply_after_norm(
+        self, layer: Linear, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`apply` to norm(x + residual), and x + residual (one launch for a decode row on the GPU)."""
+        ...
+
+    def apply_after_silu_and_mul(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """`apply` to silu(gate) * up of x = gate | up, fused likewise."""
+        ...
 
 
 def linear_method(config: QuantizationConfig, tp_size: int) -> LinearMethod:
@@ -108,6 +119,16 @@ class Fp8LinearMethod:
 
     def apply(self, layer: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return layer.ops.fp8_linear(x, layer.weight, layer.weight_scale, bias)
+
+    def apply_after_norm(self, layer, norm, x, residual, bias):
+        return layer.ops.quantized_rms_norm_linear(x, residual, norm.weight, norm.eps, self._stored(layer), bias)
+
+    def apply_after_silu_and_mul(self, layer, x, bias):
+        return layer.ops.quantized_silu_and_mul_linear(x, self._stored(layer), bias)
+
+    @staticmethod
+    def _stored(layer: Linear) -> QuantizedWeight:
+        return QuantizedWeight(layer.weight, layer.weight_scale, None, 8, 0)
 
 
 def quantize_fp8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,3 +241,17 @@ class GroupedIntLinearMethod:
         return layer.ops.grouped_linear(
             x, layer.qweight, layer.scales, layer.offsets, self.bits, layer.group_size, bias
         )
+
+    def apply_after_norm(self, layer, norm, x, residual, bias):
+        if layer.input_perm is not None:  # act-order permutes the normalized input first
+            hidden, residual = norm(x, residual)
+            return self.apply(layer, hidden, bias), residual
+        return layer.ops.quantized_rms_norm_linear(x, residual, norm.weight, norm.eps, self._stored(layer), bias)
+
+    def apply_after_silu_and_mul(self, layer, x, bias):
+        if layer.input_perm is not None:
+            return self.apply(layer, layer.ops.silu_and_mul(x), bias)
+        return layer.ops.quantized_silu_and_mul_linear(x, self._stored(layer), bias)
+
+    def _stored(self, layer: Linear) -> QuantizedWeight:
+        return QuantizedWeight(layer.qweight, layer.scales, layer.offsets, self.bits, layer.group_size)

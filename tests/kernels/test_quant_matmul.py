@@ -8,7 +8,14 @@ import pytest
 import torch
 
 from pagellm.kernels import reference
-from pagellm.kernels.quant_matmul import Tiles, dequantize, fp8_quantize_rows, weight_only_matmul
+from pagellm.kernels.quant_matmul import (
+    Tiles,
+    dequantize,
+    fp8_quantize_rows,
+    rms_norm_weight_only_gemv,
+    silu_and_mul_weight_only_gemv,
+    weight_only_matmul,
+)
 from pagellm.quantization.packing import pack_int32, unpack_int32
 from tests.kernels.test_triton_kernels import DEVICE, DTYPES, rel_err
 
@@ -140,6 +147,48 @@ def test_one_row_tiles_refuse_more_rows():
     words = torch.zeros(8, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_m 1"):
         weight_only_matmul(x, words, torch.ones(8, 1), torch.zeros(8, 1), 4, 64, tiles=Tiles(1, 8, 64, 4, 2))
+
+
+# Each one-row kernel: INT4 in integers (groups of 32 and more), the dequantizing GEMV (8-bit integers, INT4 in
+# groups of 16, FP8).
+ONE_ROW_FORMATS = [(4, 128), (4, 32), (8, 64), (4, 16), ("fp8", 0)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits,group", ONE_ROW_FORMATS)
+@pytest.mark.parametrize("prologue", ["rms_norm", "rms_norm_residual", "silu_and_mul"])
+def test_one_row_prologues(dtype, bits, group, prologue):
+    """The op before the product, fused into the one-row kernels' loads of x, against the reference op followed
+    by the unfused kernel, and against the exact product; the new residual equals the reference's."""
+    gen = torch.Generator().manual_seed(len(prologue) + group)
+    n, k = 72, 384
+    if bits == "fp8":
+        words = (torch.randn(n, k, generator=gen) * 3).to(torch.float8_e4m3fn)
+        scales, offsets, bits = torch.rand(n, generator=gen) * 0.01 + 1e-3, None, 8
+        dense = words.float() * scales[:, None]
+    else:
+        words, scales, offsets, dense = grouped_weight(n, k, bits, group, dtype, gen)
+    stored = [t if t is None else t.to(DEVICE) for t in (words, scales, offsets)]
+    bias = torch.randn(n, generator=gen).to(dtype)
+    if prologue == "silu_and_mul":
+        x = (2 * torch.randn(1, 2 * k, generator=gen)).to(dtype)
+        inputs = reference.silu_and_mul(x)
+        out = silu_and_mul_weight_only_gemv(x.to(DEVICE), *stored, bits, group, bias.to(DEVICE))
+    else:
+        x = (3 * torch.randn(1, k, generator=gen)).to(dtype)
+        residual = torch.randn(1, k, generator=gen).to(dtype) if prologue == "rms_norm_residual" else None
+        norm_weight = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype)
+        inputs, ref_residual = reference.rms_norm(x, norm_weight, 1e-5, residual)
+        device_residual = None if residual is None else residual.to(DEVICE)
+        out, new_residual = rms_norm_weight_only_gemv(
+            x.to(DEVICE), device_residual, norm_weight.to(DEVICE), 1e-5, *stored, bits, group, bias.to(DEVICE)
+        )
+        assert torch.equal(new_residual.cpu(), ref_residual)
+    assert out.shape == (1, n) and out.dtype == dtype
+    unfused = weight_only_matmul(inputs.to(DEVICE), *stored, bits, group, bias.to(DEVICE))
+    assert rel_err(out.cpu(), unfused.cpu()) < TOL[dtype]
+    expected = inputs.float() @ dense.T + bias.float()
+    assert rel_err(out.cpu(), expected) < max(TOL[dtype], X16_TOL)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
