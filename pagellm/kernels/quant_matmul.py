@@ -172,11 +172,14 @@ def _gemv_kernel(
             w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N,
             BLOCK_K,
         )  # fmt: skip
-        # x loaded per row of the tile (the same addresses, L1 hits): [BLOCK_N, BLOCK_K] takes the weight tile's
-        # register layout, where a [BLOCK_K] load would take its own and convert the tile through shared memory.
         cols = k0 + tl.arange(0, BLOCK_K)
-        x_offs = (rows * 0)[:, None] + cols[None, :]
-        x = input_tile(x_ptr, res_ptr, norm_ptr, x_offs, (cols < K)[None, :], K, rstd, PROLOGUE, HAS_RESIDUAL)
+        if PROLOGUE == PLAIN:
+            # x loaded per row of the tile (the same addresses, L1 hits): [BLOCK_N, BLOCK_K] takes the weight
+            # tile's register layout, where a [BLOCK_K] load would take its own and convert through shared memory.
+            x = tl.load(x_ptr + (rows * 0)[:, None] + cols[None, :], mask=(cols < K)[None, :], other=0.0)
+        else:  # computed once, then converted: per row of the tile, the prologue's work (SwiGLU's exp) was 8x,
+            # and batch-1 FP8 decode 1.7x slower (latency-none-fp8-awq-2026-12-06)
+            x = input_tile(x_ptr, res_ptr, norm_ptr, cols, cols < K, K, rstd, PROLOGUE, HAS_RESIDUAL)[None, :]
         acc += w * x.to(tl.float32)
     out = tl.sum(acc, axis=1)
     if FP8:
