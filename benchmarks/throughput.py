@@ -1,14 +1,18 @@
 """Offline throughput on the GPU, the standard workload: N requests with input and output lengths uniform in
 [100, 1024], random token ids, EOS ignored, dummy weights. HF transformers `generate` runs the same prompts in the
-same process as the peer (on the first --hf-requests of them, batched with left padding).
+same process as the peer (on the first --hf-requests of them, batched with left padding). Several KV-cache dtypes or
+weight formats run one after the other in the same process, each a row of one results file (same-run ratios).
 
     python benchmarks/throughput.py --models Qwen3-0.6B Llama-3.1-8B
+    python benchmarks/throughput.py --models Llama-3.1-8B --quantization none fp8 awq --hf-requests 0
+    python benchmarks/throughput.py --models Qwen3-0.6B --kv-cache-dtype auto int8 --hf-requests 0
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -93,30 +97,27 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--hf-requests", type=int, default=64)
     parser.add_argument("--hf-batch", type=int, default=64)
-    parser.add_argument("--kv-cache-dtype", default="auto")
-    parser.add_argument("--quantization", default=None, help="fp8, awq or gptq (dummy weights in that format)")
+    parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto"], help="auto, int8: a row each")
+    parser.add_argument(
+        "--quantization", nargs="+", default=["none"], help="none, fp8, awq or gptq (dummy weights): a row each"
+    )
     args = parser.parse_args()
     prompts, out_lens = workload(args.num_requests)
     rows = []
-    for name in args.models:
+    for name, kv_dtype, quantization in itertools.product(args.models, args.kv_cache_dtype, args.quantization):
         path = model_dir(name)
-        row = {
-            "model": name,
-            "requests": args.num_requests,
-            "kv_cache_dtype": args.kv_cache_dtype,
-            "quantization": args.quantization or "none",
-        }
+        row = {"model": name, "requests": args.num_requests, "kv_cache_dtype": kv_dtype, "quantization": quantization}
         row.update(
             run_pagellm(
                 path,
                 prompts,
                 out_lens,
                 max_model_len=4096,
-                kv_cache_dtype=args.kv_cache_dtype,
-                quantization=args.quantization,
+                kv_cache_dtype=kv_dtype,
+                quantization=None if quantization == "none" else quantization,
             )
         )
-        if args.hf_requests:
+        if args.hf_requests and quantization == "none" and kv_dtype == "auto":  # HF runs bf16 weights only
             row.update(run_hf(name, prompts[: args.hf_requests], out_lens[: args.hf_requests], args.hf_batch))
             row["speedup_vs_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
         rows.append(row)
@@ -135,8 +136,9 @@ def main() -> None:
         "speedup_vs_hf",
     ]
     table = markdown_table(rows, columns)
+    variants = [v for v in (*args.kv_cache_dtype, *args.quantization) if v not in ("auto", "none")]
     path = write_results(
-        "throughput-" + "-".join(args.models),
+        "-".join(["throughput", *args.models, *variants]),
         {
             "environment": environment(),
             "rows": rows,
@@ -148,7 +150,10 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    labels = [r["model"] for r in rows]
+    labels = [
+        " ".join(v for v in (r["model"], r["kv_cache_dtype"], r["quantization"]) if v not in ("auto", "none"))
+        for r in rows
+    ]
     x = range(len(rows))
     ax.bar([i - 0.2 for i in x], [r["output_tok_s"] for r in rows], 0.4, label="pagellm")
     ax.bar([i + 0.2 for i in x], [r.get("hf_output_tok_s", 0) for r in rows], 0.4, label="HF generate")
