@@ -8,6 +8,8 @@
 #   bash benchmarks/gpu_suite.sh structured  # JSON-schema decode on pagellm and vLLM, the step's phases (see below)
 #   bash benchmarks/gpu_suite.sh quant    # Llama-3.1-8B decode in bf16, FP8 and AWQ on vLLM, then pagellm (see below)
 #   bash benchmarks/gpu_suite.sh quant-kernels  # the quantized GPU tests, then every INT4/FP8 tile configuration
+#   bash benchmarks/gpu_suite.sh formats  # standard workload: Qwen3-0.6B with bf16 and INT8 KV; Llama-3.1-8B in
+#                                         # bf16, FP8 and AWQ (same-run rows, no HF peer; about 4 minutes)
 set -uo pipefail
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -35,6 +37,11 @@ throughput)
     > "$OUT/throughput-llama.log" 2>&1; echo "throughput rc=$?"; tail -3 "$OUT/throughput-llama.log"
   timeout 60 python3 benchmarks/kernel_bench.py > "$OUT/kernels.log" 2>&1; echo "kernels rc=$?"; tail -14 "$OUT/kernels.log"
   bundle ;;
+formats)
+  timeout 120 python3 benchmarks/throughput.py --models Qwen3-0.6B --kv-cache-dtype auto int8 --hf-requests 0 \
+    > "$OUT/throughput-kv.log" 2>&1; echo "throughput rc=$?"; tail -4 "$OUT/throughput-kv.log"
+  timeout 240 python3 benchmarks/throughput.py --models Llama-3.1-8B --quantization none fp8 awq --hf-requests 0 \
+    > "$OUT/throughput-quant.log" 2>&1; echo "throughput rc=$?"; tail -5 "$OUT/throughput-quant.log" ;;
 perplexity)
   # SmolLM2's GGUF (98 MB) is larger than one call may carry (64 MiB), and the GPU machine lacks `gguf`. Here:
   #   g=$(.venv/bin/python -c 'from pagellm.model.loader import default_model; print(default_model())')
