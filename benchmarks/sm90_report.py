@@ -1,8 +1,10 @@
-"""What the paged decode kernel becomes on the H100/H200 (sm_90), compiled on this machine, no GPU needed:
-registers, spilled bytes, shared memory, programs resident per SM, and the instruction mix of its main loop. GPU
-time is scarce; this shows before a device call whether a tile, warp or pipeline change can pay.
+"""What the paged decode kernel, or the quantized-weight matmul, becomes on the H100/H200 (sm_90), compiled on this
+machine, no GPU needed: registers, spilled bytes, shared memory, programs resident per SM, and the instruction mix
+of its main loop (barriers included). GPU time is scarce; this shows before a device call whether a tile, warp or
+pipeline change can pay.
 
     python benchmarks/sm90_report.py --int8 --batch 16 --context 16384 --block-n 128 --warps 4 --stages 2
+    python benchmarks/sm90_report.py --quant int4 --rows 1 --shape 28672 4096 --tiles 1 16 1024 4 2
 
 Launches are intercepted and compiled with Triton's own specialization of their arguments (CPU tensors stand in
 for the caches), for sm_90 with the bundled ptxas; cuobjdump reads the result. Not under TRITON_INTERPRET=1, which
@@ -30,6 +32,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pagellm.kernels.decode_attention as decode_attention  # noqa: E402
+import pagellm.kernels.quant_matmul as quant_matmul  # noqa: E402
 from pagellm.model.attention import allocate_kv_caches  # noqa: E402
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -144,6 +147,38 @@ def decode_report(
     return report
 
 
+def quant_report(fmt: str, rows: int, n: int, k: int, tiles: quant_matmul.Tiles | None) -> dict:
+    """`weight_only_matmul`'s first launch for `rows` activation rows on an [n, k] weight (INT4 in groups of 128,
+    or FP8), with `tiles` or the default ones."""
+    x = torch.zeros(rows, k, dtype=torch.bfloat16)
+    if fmt == "int4":
+        weight, scales = torch.zeros(n, k // 8, dtype=torch.int32), torch.zeros(n, k // 128, dtype=torch.float16)
+        stored = (weight, scales, scales, 4, 128)
+    else:
+        stored = (torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n), None, 8, 0)
+    launches = []
+
+    def intercept(self, *args, grid, warmup, **kwargs):
+        launches.append((compile_for_sm90(self, args, kwargs), kwargs.get("num_warps", 4)))
+
+    with (
+        mock.patch.object(JITFunction, "run", intercept),
+        mock.patch.object(quant_matmul, "asm_conversions", lambda x: True),
+    ):
+        quant_matmul.weight_only_matmul(x, *stored, tiles=tiles)
+    compiled, warps = launches[0]
+    report = resources(compiled)
+    mix = main_loop_mix(cuobjdump(compiled, "-sass"))
+    report.update(
+        programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
+        layout_conversions=compiled.asm["ttgir"].count("ttg.convert_layout"),
+        loop_instructions=sum(mix.values()),
+        loop_barriers=mix.get("BAR", 0),
+        loop_mix=dict(mix.most_common()),
+    )
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=16)
@@ -153,9 +188,17 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--split", type=int)
+    parser.add_argument("--quant", choices=["int4", "fp8"], help="report the quantized-weight matmul instead")
+    parser.add_argument("--rows", type=int, default=1, help="--quant: activation rows")
+    parser.add_argument("--shape", type=int, nargs=2, default=[6144, 4096], metavar=("N", "K"), help="--quant")
+    parser.add_argument("--tiles", type=int, nargs="+", help="--quant: Tiles' fields (default: matmul_tiles)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args()
-    report = decode_report(args.batch, args.context, args.int8, args.block_n, args.warps, args.stages, args.split)
+    if args.quant:
+        tiles = quant_matmul.Tiles(*args.tiles) if args.tiles else None
+        report = quant_report(args.quant, args.rows, *args.shape, tiles)
+    else:
+        report = decode_report(args.batch, args.context, args.int8, args.block_n, args.warps, args.stages, args.split)
     if args.json:
         print(json.dumps(report))
         return

@@ -28,6 +28,17 @@ def test_decode_kernel_compiles_for_sm90(int8):
         assert mix.get("PRMT", 0) > 0 and "I2F" not in mix
 
 
+@pytest.mark.parametrize("rows", [1, 16])
+def test_int4_matmul_compiles_for_sm90(rows):
+    """One INT4 row multiplies in integers (dp4a), 16 rows on the tensor cores (wgmma), neither spilling."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    args = [sys.executable, str(ROOT / "benchmarks" / "sm90_report.py"), "--quant", "int4", "--rows", str(rows)]
+    out = subprocess.run(args + ["--json"], capture_output=True, text=True, env=env, check=True)
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["spilled_bytes"] == 0
+    assert report["loop_mix"].get("IDP" if rows == 1 else "HGMMA", 0) > 0, report["loop_mix"]
+
+
 # Launches on CPU tensors compiled for sm_90 instead of run (the interpreter runs kernels that the compiler refuses:
 # a global that is not a constexpr, say), one report per launch. LAUNCHES is the body: it may use x, w and norm.
 COMPILE_LAUNCHES = """
@@ -93,6 +104,9 @@ gemv.gemv(x, w)
 gemv.rms_norm_gemv(x, x.clone(), norm, 1e-6, w)
 quant_matmul.weight_only_matmul(x, words, scales, scales, 4, 128)
 quant_matmul.weight_only_matmul(x, w.to(torch.float8_e4m3fn), torch.zeros(4096), None, 8, 0)
+quant_matmul.rms_norm_weight_only_gemv(x, x.clone(), norm, 1e-6, words, scales, scales, 4, 128)
+quant_matmul.silu_and_mul_weight_only_gemv(torch.zeros(1, 2048, dtype=bf), words, scales, scales, 4, 128)
+quant_matmul.rms_norm_weight_only_gemv(x, None, norm, 1e-6, w.to(torch.float8_e4m3fn), torch.zeros(4096), None, 8, 0)
 rmsnorm.rms_norm(x, norm, 1e-6, x)
 activation.silu_and_mul(torch.zeros(1, 2048, dtype=bf))
 position = torch.zeros(1, dtype=torch.long)
