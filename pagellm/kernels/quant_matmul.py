@@ -623,7 +623,7 @@ def _one_row(
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x)
     pdl = launch_early(x, 1)
-    prologue_args = dict(
+    launch_args = dict(
         PROLOGUE=prologue.value,
         HAS_RESIDUAL=residual is not None,
         BLOCK_ROW=triton.next_power_of_2(k) if prologue == RMS_NORM else 1,
@@ -649,12 +649,12 @@ def _one_row(
     if bits == 4 and not fp8 and group_size % 32 == 0 and k % 32 == 0:  # whole 32-column x groups in each group
         _int4_gemv_kernel[grid](
             *pointers, n, k, weight.shape[1], weight.stride(0), scales.stride(0), eps,
-            GROUP=group_size, ASM=asm_conversions(x), WORDS=max(t.block_k // 8, 1), **prologue_args,
+            GROUP=group_size, ASM=asm_conversions(x), WORDS=max(t.block_k // 8, 1), **launch_args,
         )  # fmt: skip
     else:
         _gemv_kernel[grid](
             *pointers, n, k, weight.shape[1], weight.stride(0), scales.stride(0), eps,
-            FP8=fp8, BITS=bits, GROUP=max(group_size, 1), BLOCK_K=t.block_k, **prologue_args,
+            FP8=fp8, BITS=bits, GROUP=max(group_size, 1), BLOCK_K=t.block_k, **launch_args,
         )  # fmt: skip
     return out, residual_out
 
