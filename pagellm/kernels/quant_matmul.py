@@ -35,7 +35,7 @@ def _load_words(w_ptr, rows, k0, N, k_words, stride_w, BITS: tl.constexpr, BLOCK
     """The int32 words packing weight rows `rows`, columns k0 .. k0 + BLOCK_K (zero past N and K). `k_words`, the
     words of a row, comes as an argument: K * BITS // 32 computed in the kernel is known divisible by 2 only (K
     by 16), which splits the loads into 8-byte pieces."""
-    word_cols = k0 * BITS // 32 + tl.arange(0, BLOCK_K * BITS // 32)
+    word_cols = k0 // (32 // BITS) + tl.arange(0, BLOCK_K * BITS // 32)
     mask = (rows < N)[:, None] & (word_cols < k_words)[None, :]
     return tl.load(w_ptr + rows[:, None] * stride_w + word_cols[None, :], mask=mask, other=0)
 
@@ -266,20 +266,14 @@ def _packed_x_bytes(xq, BLOCK_N: tl.constexpr, WORDS: tl.constexpr):
 
 @triton.jit
 def _int4_weight_tile(
-    w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, k_words, stride_w, stride_s,
+    w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s,
     GROUP: tl.constexpr, WORDS: tl.constexpr,
 ):  # fmt: skip
     """The words of weight rows `rows` from column k0 (8 * WORDS columns) and the fp32 scales and offsets of their
-    32-column groups. `k_words` (K / 8) comes as an argument: K // 8 computed here would be known divisible by 2
-    only (K by 16), which splits the loads into 8-byte pieces."""
-    word_cols = k0 // 8 + tl.arange(0, WORDS)
-    words = tl.load(
-        w_ptr + rows[:, None] * stride_w + word_cols[None, :],
-        mask=r_mask[:, None] & (word_cols < k_words)[None, :],
-        other=0,
-    )
+    32-column groups."""
+    words = _load_words(w_ptr, rows, k0, N, k_words, stride_w, 4, 8 * WORDS)
     x_groups = k0 // 32 + tl.arange(0, WORDS // 4)
-    g_mask = r_mask[:, None] & (x_groups < K // 32)[None, :]
+    g_mask = (rows < N)[:, None] & (x_groups < K // 32)[None, :]
     groups = rows[:, None] * stride_s + (x_groups // (GROUP // 32))[None, :]
     scale = tl.load(scale_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
     offset = tl.load(offset_ptr + groups, mask=g_mask, other=0.0).to(tl.float32)
@@ -336,7 +330,7 @@ def _int4_gemv_kernel(
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask = rows < N
     words, scale, offset = _int4_weight_tile(
-        w_ptr, scale_ptr, offset_ptr, rows, r_mask, 0, K, k_words, stride_w, stride_s, GROUP, WORDS
+        w_ptr, scale_ptr, offset_ptr, rows, 0, N, K, k_words, stride_w, stride_s, GROUP, WORDS
     )
     wait_for_inputs(PDL)
     rstd = prologue_rstd(x_ptr, res_ptr, res_out_ptr, K, eps, PROLOGUE, HAS_RESIDUAL, BLOCK_ROW)
@@ -344,7 +338,7 @@ def _int4_gemv_kernel(
     acc = _int4_tile_sums(words, scale, offset, x, ASM, BLOCK_N, WORDS)
     for k0 in range(8 * WORDS, K, 8 * WORDS):
         words, scale, offset = _int4_weight_tile(
-            w_ptr, scale_ptr, offset_ptr, rows, r_mask, k0, K, k_words, stride_w, stride_s, GROUP, WORDS
+            w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s, GROUP, WORDS
         )
         x = _int4_x_tile(x_ptr, res_ptr, norm_ptr, k0, K, rstd, PROLOGUE, HAS_RESIDUAL, WORDS)
         acc += _int4_tile_sums(words, scale, offset, x, ASM, BLOCK_N, WORDS)
