@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.models import model_dir  # noqa: E402
 from benchmarks.structured import ENDLESS_RECORDS  # noqa: E402  rows decode for as long as asked
-from pagellm import LLM, SamplingParams  # noqa: E402
+from pagellm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 
 
 def _sync() -> None:
@@ -104,6 +104,7 @@ def run_phases(llm: LLM, prompts: list[list[int]], args: argparse.Namespace) -> 
                 max_tokens=10_000,
                 ignore_eos=True,
                 structured_outputs={"json": ENDLESS_RECORDS} if kind == "constrained" else None,
+                output_kind=RequestOutputKind.FINAL_ONLY,  # as LLM.generate asks (structured.py's batches)
             )
             request_ids = [engine.add_request(prompt, params) for prompt in prompts]
             for _ in range(args.warmup):

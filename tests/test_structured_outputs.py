@@ -59,6 +59,32 @@ def test_a_grammar_completed_under_ignore_eos_leaves_the_rest_unconstrained(tiny
     assert neighbour.token_ids == alone.token_ids
 
 
+def test_constrained_samples_beside_finishing_neighbours_sample_as_alone(tiny_chat_llm):
+    """Seeded samples under different grammars, batched, draw what they draw alone: while neighbours finish sooner
+    (their look-ahead rows are wasted) and after a grammar completed under ignore_eos (the sample goes on
+    unconstrained beside constrained rows)."""
+    letters = ["a-e", "f-j", None, "k-o"]
+    patterns = [letter and f"[{letter}]+( [{letter}]+)*" for letter in letters]
+    params = [
+        SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=3 + 4 * i,
+            ignore_eos=pattern is None,
+            structured_outputs={"regex": pattern} if pattern else {"choice": ["yes", "no"]},
+        )
+        for i, pattern in enumerate(patterns)
+    ]
+    prompts = [[10 + i, 20, 30] for i in range(len(params))]
+    batched = [o.outputs[0] for o in tiny_chat_llm.generate(prompts, params, use_tqdm=False)]
+    alone = [tiny_chat_llm.generate([p], [sp], use_tqdm=False)[0].outputs[0] for p, sp in zip(prompts, params)]
+    assert [o.token_ids for o in batched] == [o.token_ids for o in alone]
+    assert len({len(o.token_ids) for o in batched}) > 1  # the neighbours do finish at different steps
+    for out, pattern, letter in zip(batched, patterns, letters):
+        if pattern is not None:  # cut by max_tokens, an output is a start of one
+            assert re.fullmatch(pattern if out.finish_reason == "stop" else f"[{letter} ]*", out.text), out.text
+
+
 def test_threaded_bitmask_fill_equals_one_row_at_a_time(tiny_chat_llm, monkeypatch):
     """From BATCH_FILL_ROWS constrained rows on, xgrammar's batch fill runs on threads (one thread on a 2-core
     machine: forced to 2 here); the samples are those of the one-by-one fill."""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagellm.errors import InvalidParameter
-from pagellm.sampling_params import SamplingParams, StructuredOutputsParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on samples per prompt
 
@@ -140,6 +140,8 @@ class SamplingFields(StrictModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             structured_outputs=structured_outputs,
+            # A whole response needs only the final output: no output is built for it at every step (vLLM's way).
+            output_kind=RequestOutputKind.CUMULATIVE if self.stream else RequestOutputKind.FINAL_ONLY,
         )
 
     def requested_structure(self) -> tuple[str, StructuredOutputsParams] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from contextlib import aclosing
 
 import httpx
 import pytest
@@ -63,6 +64,29 @@ def test_chat_stream_matches_non_stream_and_reports_usage(client):
     assert "".join(pieces) == whole.choices[0].message.content
     assert finish == whole.choices[0].finish_reason
     assert usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_a_whole_response_is_built_once_a_stream_at_every_step(client, server, monkeypatch):
+    """The engine builds no per-step outputs for a request whose response is sent whole (vLLM's FINAL_ONLY)."""
+    outputs_per_request = []
+    stream = server.llm.stream
+
+    async def counted(processed):
+        count = 0
+        async with aclosing(stream(processed)) as outputs:
+            async for out in outputs:
+                count += 1
+                yield out
+        outputs_per_request.append(count)
+
+    monkeypatch.setattr(server.llm, "stream", counted)
+    for streamed in (False, True):
+        reply = client.completions.create(
+            model=MODEL, prompt="Once upon a time", max_tokens=16, stream=streamed, extra_body={"ignore_eos": True}
+        )
+        text = "".join(chunk.choices[0].text for chunk in reply) if streamed else reply.choices[0].text
+        assert text
+    assert outputs_per_request[0] == 1 and outputs_per_request[1] > 3
 
 
 def test_completions_with_logprobs_echo_stop_and_n(client):
