@@ -571,8 +571,7 @@ def rms_norm_weight_only_gemv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`reference.rms_norm(x, norm_weight, eps, residual)`'s output @ W^T, and x + residual, for one row (x [1, K])
     in one launch, as `gemv.rms_norm_gemv` for a plain weight."""
-    tiles = matmul_tiles(1, offsets is None, bits, group_size, *_shape(weight, bits, offsets is None))
-    return _one_row(x, weight, scales, offsets, bits, group_size, bias, tiles, RMS_NORM, residual, norm_weight, eps)
+    return _one_row(x, weight, scales, offsets, bits, group_size, bias, None, RMS_NORM, residual, norm_weight, eps)
 
 
 def silu_and_mul_weight_only_gemv(
@@ -585,8 +584,7 @@ def silu_and_mul_weight_only_gemv(
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`reference.silu_and_mul(x)` @ W^T for one row (x [1, 2K]: gate | up) in one launch."""
-    tiles = matmul_tiles(1, offsets is None, bits, group_size, *_shape(weight, bits, offsets is None))
-    return _one_row(x, weight, scales, offsets, bits, group_size, bias, tiles, SILU_MUL)[0]
+    return _one_row(x, weight, scales, offsets, bits, group_size, bias, None, SILU_MUL)[0]
 
 
 def _shape(weight: torch.Tensor, bits: int, fp8: bool) -> tuple[int, int]:
@@ -602,18 +600,19 @@ def _one_row(
     bits: int,
     group_size: int,
     bias: torch.Tensor | None,
-    t: Tiles,
+    t: Tiles | None,
     prologue: tl.constexpr,
     residual: torch.Tensor | None = None,
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The one-row product after `prologue` (gemv.py's PLAIN, RMS_NORM or SILU_MUL), and the new residual (x +
-    residual; x itself without one)."""
+    residual; x itself without one). `t` None: the tiles `matmul_tiles` picks for the shape."""
     fp8 = offsets is None
     x = x.contiguous()
     residual = None if residual is None else residual.contiguous()
     n, k = _shape(weight, bits, fp8)  # x has 2K columns under SILU_MUL
+    t = t or matmul_tiles(1, fp8, bits, group_size, n, k)
     out = torch.empty(1, n, dtype=x.dtype, device=x.device)
     residual_out = x if residual is None else torch.empty_like(x)
     pdl = launch_early(x, 1)
