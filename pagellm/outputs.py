@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass
@@ -30,6 +30,12 @@ class CompletionOutput:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
+    def merged(self, later: CompletionOutput) -> CompletionOutput:
+        """This delta followed by a later one of the same sample, as one (new lists: neither is changed)."""
+        logprobs = None if self.logprobs is None else self.logprobs + (later.logprobs or [])
+        text, token_ids = self.text + later.text, self.token_ids + later.token_ids
+        return replace(later, text=text, token_ids=token_ids, logprobs=logprobs)
+
 
 @dataclass
 class RequestMetrics:
@@ -51,3 +57,15 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+
+    def merged(self, later: RequestOutput) -> RequestOutput:
+        """This output of a DELTA request followed by a later one, as one: everything so far when this one is the
+        request's first (which carries the prompt's fields). Neither is changed."""
+        outputs = [mine.merged(theirs) for mine, theirs in zip(self.outputs, later.outputs, strict=True)]
+        return replace(
+            later,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            prompt_logprobs=self.prompt_logprobs,
+        )

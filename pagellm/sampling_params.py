@@ -12,9 +12,12 @@ _GREEDY_EPS = 1e-5
 
 
 class RequestOutputKind(enum.Enum):
-    """When the engine reports on a request (vLLM's names): after every new token, or once, when it finishes."""
+    """When and what the engine reports on a request (vLLM's names): after every new token everything so far
+    (CUMULATIVE) or only what is new since the last report (DELTA: new tokens, text and logprobs; the prompt's fields
+    come with the first report only), or once, when it finishes (FINAL_ONLY)."""
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 

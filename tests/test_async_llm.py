@@ -1,14 +1,16 @@
-"""AsyncLLM's hand-over of outputs to asyncio consumers: a consumer that falls behind the engine gets its request's
-newest output, not a backlog of one per step, and still reads exactly what the offline engine generates."""
+"""AsyncLLM's hand-over of outputs to asyncio consumers (the engine in a process of its own): a consumer that falls
+behind the engine gets its request's newest output (a DELTA request's deltas merged), not a backlog of one per
+step, and still reads exactly what the offline engine generates."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 
-from pagellm import LLM, SamplingParams
+from pagellm import LLM, RequestOutputKind, SamplingParams
 from pagellm.config import EngineConfig
 from pagellm.engine.async_llm import AsyncLLM
 
@@ -45,6 +47,23 @@ def test_a_consumer_that_falls_behind_gets_the_newest_output(async_tiny, tiny_ll
     assert seen[-1] == expected
     assert all(expected[: len(ids)] == ids for ids in seen)  # every output a prefix of the whole
     assert len(seen[1]) >= len(seen[0]) + 10  # the pause's outputs were replaced by the newest, not queued
+
+
+def test_a_delta_consumer_that_falls_behind_gets_the_missed_deltas_merged(async_tiny, tiny_llama_dir):
+    async def read_with_a_pause() -> list[list[int]]:
+        seen: list[list[int]] = []
+        params = replace(GREEDY, output_kind=RequestOutputKind.DELTA)
+        async for out in async_tiny.generate(PROMPT, params):
+            seen.append(out.outputs[0].token_ids)
+            if len(seen) == 1:
+                await _wait_for_tokens(async_tiny, async_tiny.stats.engine.generation_tokens_total + 10)
+        return seen
+
+    seen = asyncio.run(read_with_a_pause())
+    offline = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
+    expected = offline.generate([PROMPT], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert [t for ids in seen for t in ids] == expected
+    assert len(seen[1]) >= 10  # the pause's deltas came as one
 
 
 def test_an_output_that_ends_the_request_is_never_replaced(tiny_llama_dir):

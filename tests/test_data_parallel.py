@@ -1,5 +1,6 @@
 """Data parallelism on the CPU: two engine replicas in their own processes, requests spread over both, every output
-equal to one engine's (greedy, fp32); a replica that dies fails the call instead of hanging it."""
+equal to one engine's (greedy, fp32), tensor-parallel replicas included; a replica that dies fails the call instead
+of hanging it."""
 
 from __future__ import annotations
 
@@ -28,13 +29,27 @@ def test_dp2_spreads_requests_and_equals_one_engine(tiny_llama_dir):
         assert not llm.engine.has_unfinished()
     finally:
         llm.shutdown()
-    assert all(not r.process.is_alive() for r in llm.engine.replicas)
+    assert all(not r.process.is_alive() for r in llm.engine.cores)
+
+
+def test_tensor_parallel_replicas_equal_one_engine(tiny_llama_dir):
+    """Each replica process starts its own other rank (a replica is no daemon process, which could not)."""
+    one = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True).generate(PROMPTS, GREEDY, use_tqdm=False)
+    options = dict(device="cpu", dtype="float32", quiet=True, data_parallel_size=2, tensor_parallel_size=2)
+    llm = LLM(str(tiny_llama_dir), **options)
+    try:
+        two_by_two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two_by_two] == [o.outputs[0].token_ids for o in one]
+        assert min(s.generation_tokens_total for s in llm.engine.replica_stats()) > 0
+    finally:
+        llm.shutdown()
+    assert all(not core.process.is_alive() for core in llm.engine.cores)
 
 
 def test_a_dead_replica_fails_the_call(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True, data_parallel_size=2)
     try:
-        os.kill(llm.engine.replicas[1].process.pid, signal.SIGKILL)
+        os.kill(llm.engine.cores[1].process.pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="replica 1 died"):
             llm.generate(PROMPTS, SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
     finally:

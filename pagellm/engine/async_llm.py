@@ -1,13 +1,11 @@
-"""AsyncLLM: the engine loop on a background thread, streaming outputs to asyncio consumers.
+"""AsyncLLM: the engine in a process of its own (`EngineCoreClient`: why a process is said there), streaming
+outputs to asyncio consumers.
 
-Only the engine thread touches the Engine. Callers validate requests on their own thread (the input processor
-reads only state fixed at start-up), then hand the validated, plain request over through a command queue; outputs
-come back to each request's stream on its event loop, once a step (the newest only, if the consumer lags). A
-stream whose consumer goes away (client hang-up, cancellation) aborts its request, which frees its KV blocks on
-the engine thread's next turn.
-
-Why a thread and not a process: torch releases the GIL inside its kernels, so on the GPU the Python work of
-the HTTP side overlaps the engine step, and a thread shares the tokenizer and needs no serialization of outputs.
+Callers validate requests on their own thread (the input processor reads only state fixed at start-up) and hand
+the validated, plain request to the engine's process; outputs come back on the client's reader thread and go to
+each request's stream on its event loop, once a step: the newest only if the consumer lags (a DELTA request's
+deltas merged into one). A stream whose consumer goes away (client hang-up, cancellation) aborts its request,
+which frees its KV blocks between the engine's steps.
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import queue
 import threading
 import time
 import uuid
@@ -24,13 +21,12 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 from pagellm.config import EngineConfig
-from pagellm.distributed.data_parallel import DataParallelEngine
-from pagellm.distributed.executor import TensorParallelExecutor
-from pagellm.engine.engine import EngineStats, make_engine
+from pagellm.engine.core_client import EngineCoreClient
+from pagellm.engine.engine import EngineStats
 from pagellm.engine.input_processor import InputProcessor, ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,17 +36,22 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    """One request's outputs on their way to its consumer, touched only on the consumer's event loop. Outputs are
-    cumulative, so only the newest is kept: a consumer that falls behind the engine (the HTTP side under load)
-    gets fewer, longer updates instead of a backlog of one per step, as vLLM's output collector does."""
+    """One request's outputs on their way to its consumer, touched only on the consumer's event loop. Only the
+    newest is kept (a DELTA request's merged with those not read yet): a consumer that falls behind the engine (the
+    HTTP side under load) gets fewer, longer updates instead of a backlog of one per step, as vLLM's output
+    collector does."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, delta: bool) -> None:
         self.loop = loop
+        self._delta = delta
         self._latest: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if not (isinstance(self._latest, RequestOutput) and self._latest.finished):  # nothing replaces the end
+        latest = self._latest
+        if not (isinstance(latest, RequestOutput) and latest.finished):  # nothing replaces the end
+            if self._delta and isinstance(latest, RequestOutput) and isinstance(item, RequestOutput):
+                item = latest.merged(item)
             self._latest = item
         self._ready.set()
 
@@ -67,12 +68,12 @@ def _deliver(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None
 
 
 RATE_WINDOW_S = 5.0
-RANK_DEATH_GRACE_S = 1.0  # for the error answers to reach the clients
+ENGINE_DEATH_GRACE_S = 1.0  # for the error answers to reach the clients
 
 
 @dataclass(frozen=True)
 class LiveStats:
-    """What the engine thread publishes after each step (read by /metrics and the demo page)."""
+    """The engine's figures as of its last step, for /metrics and the demo page."""
 
     engine: EngineStats  # all replicas together under data parallelism
     recent: tuple[tuple[float, int], ...] = ()  # (time, generation_tokens_total) after the steps of the window
@@ -91,20 +92,13 @@ class LiveStats:
 
 class AsyncLLM:
     def __init__(self, config: EngineConfig | None = None, **kwargs) -> None:
-        self.engine = make_engine(config or EngineConfig(**kwargs))
-        self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, _Stream] = {}
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        stats, replicas = self._engine_stats()
-        self.stats = LiveStats(stats, (), replicas)
+        self._lock = threading.Lock()  # the callers' threads and the client's reader threads share the streams
+        self._recent: tuple[tuple[float, int], ...] = ()
         self.error: BaseException | None = None
-        if isinstance(self.engine, DataParallelEngine):
-            self.engine.on_replica_death = self._on_rank_death
-        elif isinstance(self.engine.runner, TensorParallelExecutor):
-            self.engine.runner.on_rank_death = self._on_rank_death
-        self._thread = threading.Thread(target=self._run, name="pagellm-engine", daemon=True)
-        self._thread.start()
+        self.engine = EngineCoreClient(
+            config or EngineConfig(**kwargs), on_outputs=self._publish, on_death=self._on_engine_death
+        )
 
     @property
     def tokenizer(self):
@@ -123,10 +117,14 @@ class AsyncLLM:
     def vocab_size(self) -> int:
         return self.engine.model_config.vocab_size
 
+    @property
+    def stats(self) -> LiveStats:
+        """As of the engine's last step (read by /metrics and the demo page)."""
+        with self._lock:
+            recent = self._recent
+        return LiveStats(self.engine.stats(), recent, tuple(self.engine.replica_stats()))
+
     def shutdown(self) -> None:
-        self._stop.set()
-        self._commands.put(("wake", None))
-        self._thread.join(timeout=10)
         self.engine.shutdown()
 
     # ---- caller side ----------------------------------------------------------------------------------------
@@ -146,12 +144,13 @@ class AsyncLLM:
         if self.error is not None:
             raise EngineDeadError(f"engine stopped: {self.error!r}")
         request_id = processed.request_id
-        stream = _Stream(asyncio.get_running_loop())
+        delta = processed.samples[0].params.output_kind == RequestOutputKind.DELTA
+        stream = _Stream(asyncio.get_running_loop(), delta)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
             self._streams[request_id] = stream
-        self._commands.put(("add", processed))
+        self.engine.enqueue(processed)
         finished = False
         try:
             while not finished:
@@ -164,20 +163,17 @@ class AsyncLLM:
             with self._lock:
                 self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(("abort", request_id))
+                self.engine.abort(request_id)
 
-    # ---- engine thread --------------------------------------------------------------------------------------
+    # ---- the client's reader threads ------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._apply_commands(block=not self.engine.has_unfinished())
-                if self.engine.has_unfinished():
-                    outputs = self.engine.step()
-                    self._publish(outputs)
-        except BaseException as exc:  # a bug in the engine: fail every stream rather than hang them
-            logger.exception("engine loop died")
-            self._fail_streams(exc)
+    def _publish(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        now = time.time()
+        with self._lock:
+            recent = (p for p in self._recent if now - p[0] <= RATE_WINDOW_S)
+            self._recent = (*recent, (now, stats.generation_tokens_total))
+            targets = [(stream, out) for out in outputs if (stream := self._streams.get(out.request_id)) is not None]
+        self._hand_over(targets)
 
     def _fail_streams(self, exc: BaseException) -> None:
         self.error = exc
@@ -185,46 +181,13 @@ class AsyncLLM:
             streams = list(self._streams.values())
         self._hand_over([(stream, exc) for stream in streams])
 
-    def _on_rank_death(self, reason: str) -> None:
-        """Another tensor-parallel rank (or a data-parallel replica) died: the engine cannot go on. Every caller
-        gets the error (the server answers 5xx), then the process exits with an error, as a server without its
-        model should."""
+    def _on_engine_death(self, reason: str) -> None:
+        """The engine's process (or a replica's, or another tensor-parallel rank) died: the engine cannot go on.
+        Every caller gets the error (the server answers 5xx), then the process exits with an error, as a server
+        without its model should."""
         logger.error("%s: failing every request and exiting", reason)
         self._fail_streams(RuntimeError(reason))
-        threading.Timer(RANK_DEATH_GRACE_S, os._exit, args=(1,)).start()
-
-    def _apply_commands(self, block: bool) -> None:
-        try:
-            command = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            kind, arg = command
-            if kind == "add":
-                self.engine.enqueue(arg)
-            elif kind == "abort":
-                self.engine.abort(arg)
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                break
-        stats, replicas = self._engine_stats()
-        self.stats = LiveStats(stats, self.stats.recent, replicas)
-
-    def _engine_stats(self) -> tuple[EngineStats, tuple[EngineStats, ...]]:
-        """(all together, each replica's): a data-parallel engine combines its replicas' itself."""
-        stats = self.engine.stats()
-        replicas = self.engine.replica_stats() if isinstance(self.engine, DataParallelEngine) else [stats]
-        return stats, tuple(replicas)
-
-    def _publish(self, outputs: list[RequestOutput]) -> None:
-        now = time.time()
-        stats, replicas = self._engine_stats()
-        recent = tuple((t, n) for t, n in self.stats.recent if now - t <= RATE_WINDOW_S)
-        self.stats = LiveStats(stats, (*recent, (now, stats.generation_tokens_total)), replicas)
-        with self._lock:
-            targets = [(stream, out) for out in outputs if (stream := self._streams.get(out.request_id)) is not None]
-        self._hand_over(targets)
+        threading.Timer(ENGINE_DEATH_GRACE_S, os._exit, args=(1,)).start()
 
     @staticmethod
     def _hand_over(items: list[tuple[_Stream, RequestOutput | BaseException]]) -> None:

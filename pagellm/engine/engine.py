@@ -16,6 +16,7 @@ from pagellm.config import EngineConfig, ModelConfig
 from pagellm.core.request import Request, RequestStatus
 from pagellm.core.step import SchedulerOutput
 from pagellm.distributed.executor import RankLaunched, TensorParallelExecutor
+from pagellm.engine.core_client import EngineCoreClient
 from pagellm.engine.frontend import load_frontend
 from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.engine.kv_cache_manager import KVCacheManager
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
     from concurrent.futures import Future
 
     from pagellm.core.step import GrammarBitmask
-    from pagellm.distributed.data_parallel import DataParallelEngine
 
 logger = logging.getLogger(__name__)
 
@@ -186,13 +186,11 @@ class Engine:
         )
 
 
-def make_engine(config: EngineConfig) -> Engine | DataParallelEngine:
-    """One engine, or data_parallel_size replicas behind one front end."""
+def make_engine(config: EngineConfig) -> Engine | EngineCoreClient:
+    """One engine in this process, or data_parallel_size replicas, each in its own process, behind one client."""
     if config.data_parallel_size == 1:
         return Engine(config)
-    from pagellm.distributed.data_parallel import DataParallelEngine  # which imports this module
-
-    return DataParallelEngine(config)
+    return EngineCoreClient(config)
 
 
 def make_runner(

@@ -28,6 +28,9 @@ class _Sample:
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What DELTA outputs have reported so far.
+    sent_tokens: int = 0
+    sent_chars: int = 0
 
 
 @dataclass(eq=False)
@@ -37,9 +40,14 @@ class _Request:
     prompt_token_ids: list[int]
     samples: list[_Sample]
     metrics: RequestMetrics
-    final_only: bool
+    kind: RequestOutputKind
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     num_cached_tokens: int = 0
+    reported: bool = False  # whether an output went out (a DELTA request's prompt fields go with the first only)
+
+    @property
+    def final_only(self) -> bool:
+        return self.kind == RequestOutputKind.FINAL_ONLY
 
     @property
     def finished(self) -> bool:
@@ -64,7 +72,7 @@ class OutputProcessor:
             processed.prompt_token_ids,
             [self._new_sample(processed, s) for s in processed.samples],
             RequestMetrics(arrival_time=processed.arrival_time),
-            final_only=first.output_kind == RequestOutputKind.FINAL_ONLY,
+            kind=first.output_kind,
             prompt_logprobs=None if first.prompt_logprobs is None else [None],
         )
         self._requests[state.request_id] = state
@@ -179,25 +187,25 @@ class OutputProcessor:
 
     @staticmethod
     def _output(state: _Request) -> RequestOutput:
+        delta = state.kind == RequestOutputKind.DELTA
+        with_prompt = not (delta and state.reported)
+        state.reported = True
         return RequestOutput(
             request_id=state.request_id,
-            prompt=state.prompt,
-            prompt_token_ids=state.prompt_token_ids,
-            outputs=[_completion(s) for s in state.samples],
+            prompt=state.prompt if with_prompt else None,
+            prompt_token_ids=state.prompt_token_ids if with_prompt else [],
+            outputs=[_delta(s) if delta else _completion(s) for s in state.samples],
             finished=state.finished,
             metrics=state.metrics,
-            prompt_logprobs=state.prompt_logprobs,
+            prompt_logprobs=state.prompt_logprobs if with_prompt else None,
             num_cached_tokens=state.num_cached_tokens,
         )
 
 
 def _completion(sample: _Sample) -> CompletionOutput:
-    text = sample.text
-    if sample.finish_reason is None and sample.params.stop:
-        text = text[: len(text) - _stop_prefix_len(text, sample.params.stop)]
     return CompletionOutput(
         index=sample.index,
-        text=text,
+        text=_visible_text(sample),
         token_ids=list(sample.token_ids),
         finish_reason=sample.finish_reason,
         # Copies: the engine thread goes on appending to its lists while a consumer reads this output.
@@ -205,6 +213,31 @@ def _completion(sample: _Sample) -> CompletionOutput:
         stop_reason=sample.stop_reason,
         cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
     )
+
+
+def _delta(sample: _Sample) -> CompletionOutput:
+    """What is new in a sample since its last output. Its text only grows: the visible text holds back any tail
+    that could begin a stop string, so a stop string found later cuts only text not yet sent."""
+    text, sent_tokens = _visible_text(sample), sample.sent_tokens
+    output = CompletionOutput(
+        index=sample.index,
+        text=text[sample.sent_chars :],
+        token_ids=sample.token_ids[sent_tokens:],
+        finish_reason=sample.finish_reason,
+        logprobs=None if sample.logprobs is None else sample.logprobs[sent_tokens:],
+        stop_reason=sample.stop_reason,
+        cumulative_logprob=sample.cumulative_logprob if sample.logprobs is not None else None,
+    )
+    sample.sent_tokens, sample.sent_chars = len(sample.token_ids), len(text)
+    return output
+
+
+def _visible_text(sample: _Sample) -> str:
+    """The text so far, less a tail that may yet grow into a stop string while the sample runs."""
+    text = sample.text
+    if sample.finish_reason is None and sample.params.stop:
+        text = text[: len(text) - _stop_prefix_len(text, sample.params.stop)]
+    return text
 
 
 def _truncate_at_stop_string(sample: _Sample, new_chars: int) -> str | None:

@@ -1,6 +1,6 @@
-"""`pagellm serve -tp 2` and `-dp 2` on the CPU (gloo, two processes): they answer like any server; when a rank
-dies the request in flight gets a 5xx error body and the server exits with an error within seconds; data-parallel
-replicas both serve, each with its own /metrics series."""
+"""`pagellm serve -tp 2` and `-dp 2` on the CPU (gloo, two processes): they answer like any server; when the engine's
+process or another rank dies the request in flight gets a 5xx error body and the server exits with an error within
+seconds; data-parallel replicas both serve, each with its own /metrics series."""
 
 from __future__ import annotations
 
@@ -33,13 +33,14 @@ def tp_server(tiny_chat_model_dir):
         proc.wait()
 
 
-def rank_pids(parent: int) -> list[int]:
-    """The rank processes the server spawned (not multiprocessing's resource tracker)."""
+def spawned_pids(parent: int) -> list[int]:
+    """The processes `parent` spawned (not multiprocessing's resource tracker)."""
     out = subprocess.run(["pgrep", "-P", str(parent), "-f", "spawn_main"], capture_output=True, text=True).stdout
     return [int(pid) for pid in out.split()]
 
 
-def test_tp_server_answers_then_dies_cleanly_with_its_rank(tp_server):
+@pytest.mark.parametrize("victim", ["engine core", "rank 1"])
+def test_tp_server_answers_then_dies_cleanly_with_its_engine(tp_server, victim):
     proc, url = tp_server
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0}
     first = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
@@ -56,9 +57,9 @@ def test_tp_server_answers_then_dies_cleanly_with_its_rank(tp_server):
     client = threading.Thread(target=long_request)
     client.start()
     time.sleep(0.5)
-    ranks = rank_pids(proc.pid)
-    assert ranks, "no rank process"
-    os.kill(ranks[0], signal.SIGKILL)
+    (core,) = spawned_pids(proc.pid)  # the server's engine process: rank 0, which spawned rank 1
+    (rank1,) = spawned_pids(core)
+    os.kill(core if victim == "engine core" else rank1, signal.SIGKILL)
     assert proc.wait(timeout=15) != 0
     client.join(timeout=15)
     response = result.get("response")

@@ -1,0 +1,193 @@
+"""The engine in processes of its own, as vLLM's engine core: `EngineCoreClient` validates requests in the caller's
+process and sends them to data_parallel_size engine-core processes (each an `Engine`, tensor-parallel or not); a
+reader thread per process takes its outputs back and hands them on.
+
+Why processes: a server whose HTTP side and engine loop share one interpreter shares the GIL between them, and
+under load the event loop's Python work (parsing, one SSE chunk per request per step) holds it while the engine
+waits to launch its next step (H100, SmolLM2-1.7B's shapes, 64 requests/s: TPOT p50 5.6-6.0 ms with the engine on
+a thread, 4.7 in a process; `benchmarks/results/serving-core-process-*`).
+
+Outputs cross as DELTA outputs, so what a step sends does not grow with what its requests have generated, and a
+CUMULATIVE request's outputs are rebuilt here. Requests cross as the input processor's ProcessedRequest (its
+compiled grammar, which does not pickle, is compiled again in the engine's process). With several processes
+(data parallelism) a request goes to the one with the fewest unfinished requests, or to the one that was sent a
+request with the same prompt prefix, where it is likely cached.
+
+The client has the Engine's methods, so `LLM` drives it like one engine (`step` returns what came back); `AsyncLLM`
+passes `on_outputs` instead, called on the reader threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.util
+import queue
+import threading
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from pagellm.config import EngineConfig
+from pagellm.distributed.data_parallel import Router, check_data_parallel, combine_stats
+from pagellm.engine.core_process import EngineCoreProcess
+from pagellm.engine.frontend import load_frontend
+from pagellm.engine.input_processor import ProcessedRequest
+from pagellm.errors import InvalidParameter
+from pagellm.outputs import RequestOutput
+from pagellm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+REPORT_WAIT_S = 0.005  # how long `step` waits for a process's report (new requests wait at most this)
+
+
+@dataclass
+class _Tracked:
+    """An unfinished request: its process, and for a CUMULATIVE one its output so far, rebuilt from deltas."""
+
+    core: int
+    cumulative: bool
+    so_far: RequestOutput | None = None
+
+    def add(self, output: RequestOutput) -> RequestOutput:
+        if self.cumulative:
+            self.so_far = output if self.so_far is None else self.so_far.merged(output)
+            return self.so_far
+        return output
+
+
+class EngineCoreClient:
+    def __init__(
+        self,
+        config: EngineConfig,
+        on_outputs: Callable[[list[RequestOutput], Any], None] | None = None,
+        on_death: Callable[[str], None] | None = None,
+    ) -> None:
+        """Starts the processes and waits for their engines. `on_outputs(outputs, stats)` gets each step's outputs
+        and the stats after it (all processes together); without it, `step` returns the outputs. Without
+        `on_death`, `step` raises the error of a process that died."""
+        self.config = config
+        frontend = load_frontend(config)
+        self.model_dir, self.model_config = frontend.model_dir, frontend.model_config
+        self.tokenizer, self.max_model_len = frontend.tokenizer, frontend.max_model_len
+        self.input_processor = frontend.input_processor
+        self.startup_seconds: dict[str, float] = {}
+        check_data_parallel(config)
+        self._reports: queue.Queue = queue.Queue()
+        self._on_outputs = on_outputs or (lambda outputs, stats: self._reports.put(outputs))
+        self._on_death = on_death or self._reports.put  # a string: `step` raises it
+        self._lock = threading.Lock()  # the callers' threads and the reader threads share the request table
+        self._requests: dict[str, _Tracked] = {}
+        self._stopping = threading.Event()  # set before the processes are told to stop: their ends are no deaths
+        self.cores = [EngineCoreProcess(i, config) for i in range(config.data_parallel_size)]  # loading at once
+        # The processes stop with `shutdown`, when this object is collected (`del llm`), or at exit before
+        # multiprocessing waits for them (exitpriority).
+        self._stop = multiprocessing.util.Finalize(
+            self, _stop_cores, args=(self.cores, self._stopping), exitpriority=10
+        )
+        try:
+            self._stats = [core.wait_ready() for core in self.cores]
+        except BaseException:
+            self._stop()
+            raise
+        self._router = Router(len(self.cores), config.block_size, config.enable_prefix_caching)
+        for core in self.cores:
+            threading.Thread(target=self._read, args=(core,), name=f"{core.process.name}-reader", daemon=True).start()
+
+    # ---- requests in ----------------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._requests:
+            raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
+        self.enqueue(self.input_processor.process(prompt, params, request_id))
+        return request_id
+
+    def enqueue(self, processed: ProcessedRequest) -> None:
+        cumulative = processed.samples[0].params.output_kind == RequestOutputKind.CUMULATIVE
+        with self._lock:
+            index = self._router.pick(processed.prompt_token_ids)
+            self._requests[processed.request_id] = _Tracked(index, cumulative)
+        if cumulative:  # the process sends what is new, this side keeps the whole
+            as_delta = [
+                replace(s, params=replace(s.params, output_kind=RequestOutputKind.DELTA)) for s in processed.samples
+            ]
+            processed = replace(processed, samples=as_delta)
+        self.cores[index].send("add", replace(processed, grammar=None))
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            tracked = self._requests.pop(request_id, None)
+            if tracked is None:
+                return
+            self._router.finished(tracked.core)
+        self.cores[tracked.core].send("abort", request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._requests)
+
+    # ---- outputs back ---------------------------------------------------------------------------------------
+
+    def _read(self, core: EngineCoreProcess) -> None:
+        while True:
+            try:
+                kind, *payload = core.conn.recv()
+            except (EOFError, OSError):
+                if not self._stopping.is_set():
+                    self._on_death(f"{core.name} died (exit code {core.exit_code()})")
+                return
+            if kind == "stopped":
+                return
+            if kind == "error":
+                self._on_death(f"{core.name} failed: {payload[0]}")
+                return
+            try:
+                outputs = self._collect(core.index, *payload)
+                self._on_outputs(outputs, self.stats())
+            except Exception as exc:  # a bug on this side: outputs lost, so fail everything rather than hang
+                logger.exception("reading %s's outputs failed", core.name)
+                self._on_death(f"reading {core.name}'s outputs failed: {exc!r}")
+                return
+
+    def _collect(self, index: int, outputs: list[RequestOutput], stats: Any) -> list[RequestOutput]:
+        collected = []
+        with self._lock:
+            self._stats[index] = stats
+            for output in outputs:
+                tracked = self._requests.get(output.request_id)
+                if tracked is None:  # aborted meanwhile
+                    continue
+                if output.finished:
+                    del self._requests[output.request_id]
+                    self._router.finished(index)
+                collected.append(tracked.add(output))
+        return collected
+
+    def step(self) -> list[RequestOutput]:
+        """The outputs of the next step to come back (none if none comes within REPORT_WAIT_S)."""
+        try:
+            report = self._reports.get(timeout=REPORT_WAIT_S)
+        except queue.Empty:
+            return []
+        if isinstance(report, str):
+            raise RuntimeError(report)
+        return report
+
+    def stats(self) -> Any:
+        """One EngineStats: all processes together."""
+        return self._stats[0] if len(self._stats) == 1 else combine_stats(self._stats)
+
+    def replica_stats(self) -> list:
+        return list(self._stats)
+
+    def shutdown(self) -> None:
+        self._stop()
+
+
+def _stop_cores(cores: list[EngineCoreProcess], stopping: threading.Event) -> None:
+    stopping.set()
+    for core in cores:
+        core.stop()

@@ -1,0 +1,113 @@
+"""One engine-core process: an `Engine` that steps whatever it has, takes requests and aborts between steps from a
+pipe and sends each step's outputs and its stats back through it. `EngineCoreProcess` is the parent's handle."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch.multiprocessing as mp
+
+from pagellm.config import EngineConfig
+from pagellm.distributed.executor import die_with_parent
+
+STOP_TIMEOUT_S = 10.0
+
+
+class EngineCoreProcess:
+    """Starts the process; `wait_ready` waits for its engine. `name` says which one in errors."""
+
+    def __init__(self, index: int, config: EngineConfig) -> None:
+        self.index = index
+        self.name = f"data-parallel replica {index}" if config.data_parallel_size > 1 else "the engine core"
+        context = mp.get_context("spawn")
+        self.conn, child_end = context.Pipe()
+        gpus = None
+        if config.resolve_device().type == "cuda":  # replica i gets GPUs [i * tp, (i + 1) * tp)
+            tp = config.tensor_parallel_size
+            gpus = ",".join(str(g) for g in range(index * tp, (index + 1) * tp))
+        # Not a daemon: a daemon may not start processes, and a tensor-parallel engine starts its other ranks. It
+        # stops with `stop` (the client's finalizer runs it at exit too, before exit waits for its children), and
+        # with this process however it goes (die_with_parent).
+        self.process = context.Process(
+            target=run_engine_core, args=(config, gpus, child_end), name=f"pagellm-core{index}", daemon=False
+        )
+        self.process.start()
+        child_end.close()
+        self._send_lock = threading.Lock()  # requests and aborts come from the callers' threads
+
+    def wait_ready(self) -> Any:
+        """The engine's first stats, once it has started; raises if it failed or died first."""
+        while not self.conn.poll(1.0):
+            if not self.process.is_alive():
+                raise RuntimeError(f"{self.name} died while starting (exit code {self.process.exitcode})")
+        try:
+            kind, payload = self.conn.recv()
+        except EOFError:
+            raise RuntimeError(f"{self.name} died while starting (exit code {self.exit_code()})") from None
+        if kind == "error":
+            raise RuntimeError(f"{self.name} failed to start: {payload}")
+        return payload
+
+    def send(self, *message: Any) -> None:
+        """Best effort: a process that is gone takes no more messages, and its reader reports that it died."""
+        try:
+            with self._send_lock:
+                self.conn.send(message)
+        except OSError:
+            pass
+
+    def exit_code(self) -> int | None:
+        self.process.join(timeout=1.0)
+        return self.process.exitcode
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            self.send("stop")
+            self.process.join(timeout=STOP_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+def run_engine_core(config: EngineConfig, gpus: str | None, conn: Connection) -> None:
+    """The process: messages from the parent are ("add", ProcessedRequest), ("abort", request id) and ("stop",);
+    to it go ("ready", stats) or ("error", why) once, then ("step", outputs, stats) after every step and whenever
+    the engine falls idle (so that an abort's freed blocks show), and ("stopped",) at the end."""
+    die_with_parent()
+    if gpus is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    from pagellm.engine.engine import Engine  # after CUDA_VISIBLE_DEVICES
+
+    try:
+        engine = Engine(replace(config, data_parallel_size=1))
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("ready", engine.stats()))
+    try:
+        while True:
+            if not engine.has_unfinished():
+                conn.send(("step", [], engine.stats()))
+                conn.poll(None)
+            while conn.poll(0):  # what came during the step: taken in order, between steps
+                kind, *args = conn.recv()
+                if kind == "stop":
+                    engine.shutdown()
+                    conn.send(("stopped",))
+                    return
+                if kind == "add":
+                    engine.enqueue(args[0])
+                else:
+                    engine.abort(args[0])
+            if engine.has_unfinished():
+                conn.send(("step", engine.step(), engine.stats()))
+    except (EOFError, BrokenPipeError):  # the parent is gone
+        engine.shutdown()
+    except Exception as exc:  # a bug in the engine: the parent fails what this process ran
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        raise
