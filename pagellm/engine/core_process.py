@@ -25,8 +25,9 @@ class EngineCoreProcess:
         self.name = f"data-parallel replica {index}" if config.data_parallel_size > 1 else "the engine core"
         context = mp.get_context("spawn")
         self.conn, child_end = context.Pipe()
+        # One engine sees the GPUs this process sees (under torchrun too); replica i gets [i * tp, (i + 1) * tp).
         gpus = None
-        if config.resolve_device().type == "cuda":  # replica i gets GPUs [i * tp, (i + 1) * tp)
+        if config.data_parallel_size > 1 and config.resolve_device().type == "cuda":
             tp = config.tensor_parallel_size
             gpus = ",".join(str(g) for g in range(index * tp, (index + 1) * tp))
         # Not a daemon: a daemon may not start processes, and a tensor-parallel engine starts its other ranks. It
