@@ -150,9 +150,9 @@ class AsyncLLM:
             if request_id in self._streams:
                 raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
             self._streams[request_id] = stream
-        self.engine.enqueue(processed)
         finished = False
         try:
+            self.engine.enqueue(processed)
             while not finished:
                 item = await stream.get()
                 if isinstance(item, BaseException):

@@ -14,25 +14,31 @@ import httpx
 from tests.server.conftest import free_port, wait_until_healthy
 
 
-def test_two_torchrun_nodes_serve_a_request(tiny_chat_model_dir):
+def test_two_torchrun_nodes_serve_a_request(tiny_chat_model_dir, tmp_path):
     master, port = free_port(), free_port()
+    logs = [tmp_path / f"node{node}.log" for node in (0, 1)]
     nodes = [
         subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1"]
             + ["--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(master)]
             + ["-m", "pagellm.cli", "serve", "--model", str(tiny_chat_model_dir), "--device", "cpu", "--quiet"]
             + ["-tp", "2", "--port", str(port), "--served-model-name", "tiny"],
-            env={**os.environ, "PAGELLM_COLLECTIVE_TIMEOUT_S": "8"},  # idled past below: rank 0 keeps rank 1 waiting
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
+            # Idled past below (rank 0 keeps rank 1 waiting); long enough for rank 1 to wait at the rendezvous while
+            # rank 0's server starts its engine's process, which then joins.
+            env={**os.environ, "PAGELLM_COLLECTIVE_TIMEOUT_S": "16"},
+            stdout=logs[node].open("w"),
+            stderr=subprocess.STDOUT,
         )
         for node in (0, 1)
     ]
     try:
         url = f"http://127.0.0.1:{port}"
-        wait_until_healthy(url, nodes)
+        try:
+            wait_until_healthy(url, nodes)
+        except AssertionError as exc:  # say why
+            raise AssertionError(f"{exc}\n" + "\n".join(log.read_text()[-3000:] for log in logs)) from None
         chat = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
-        for idle_s in (0, 10):
+        for idle_s in (0, 20):
             time.sleep(idle_s)
             resp = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
             assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 6
