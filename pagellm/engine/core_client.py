@@ -4,8 +4,9 @@ reader thread per process takes its outputs back and hands them on.
 
 Why processes: a server whose HTTP side and engine loop share one interpreter shares the GIL between them, and
 under load the event loop's Python work (parsing, one SSE chunk per request per step) holds it while the engine
-waits to launch its next step (H100, SmolLM2-1.7B's shapes, 64 requests/s: TPOT p50 5.6-6.0 ms with the engine on
-a thread, 4.7 in a process; `benchmarks/results/serving-core-process-*`).
+waits to launch its next step (SmolLM2-1.7B's shapes served at 64 requests/s: on an H100 a prototype of this cut
+TPOT p50 from 5.6-6.0 to 4.7 ms; on an H200 the two ways were level within the noise, with lower tails in a
+process: `benchmarks/results/serving-core-process-2026-12-06.md`).
 
 Outputs cross as DELTA outputs, so what a step sends does not grow with what its requests have generated, and a
 CUMULATIVE request's outputs are rebuilt here. Requests cross as the input processor's ProcessedRequest (its
