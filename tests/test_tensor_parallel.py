@@ -267,7 +267,7 @@ import gc, sys, time
 from pagellm import LLM
 llm = LLM(sys.argv[1], device="cpu", dtype="float32", quiet=True, **{sys.argv[2]: 2})
 engine = llm.engine
-children = engine.runner.workers if sys.argv[2] == "tensor_parallel_size" else [r.process for r in engine.replicas]
+children = engine.runner.workers if sys.argv[2] == "tensor_parallel_size" else [c.process for c in engine.cores]
 print(" ".join(str(p.pid) for p in children), flush=True)
 del llm, engine, children
 gc.collect()

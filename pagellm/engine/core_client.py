@@ -25,6 +25,7 @@ import multiprocessing.util
 import queue
 import threading
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -76,7 +77,7 @@ class EngineCoreClient:
         self.startup_seconds: dict[str, float] = {}
         check_data_parallel(config)
         self._reports: queue.Queue = queue.Queue()
-        self._on_outputs = on_outputs or (lambda outputs, stats: self._reports.put(outputs))
+        self._on_outputs = on_outputs or (lambda outputs, stats, reports=self._reports: reports.put(outputs))
         self._on_death = on_death or self._reports.put  # a string: `step` raises it
         self._lock = threading.Lock()  # the callers' threads and the reader threads share the request table
         self._requests: dict[str, _Tracked] = {}
@@ -93,8 +94,10 @@ class EngineCoreClient:
             self._stop()
             raise
         self._router = Router(len(self.cores), config.block_size, config.enable_prefix_caching)
-        for core in self.cores:
-            threading.Thread(target=self._read, args=(core,), name=f"{core.process.name}-reader", daemon=True).start()
+        for core in self.cores:  # a reader holds the client weakly: `del llm` still stops the processes
+            reader = threading.Thread(target=_read, args=(weakref.ref(self), core), name=f"{core.process.name}-reader")
+            reader.daemon = True
+            reader.start()
 
     # ---- requests in ----------------------------------------------------------------------------------------
 
@@ -132,26 +135,26 @@ class EngineCoreClient:
 
     # ---- outputs back ---------------------------------------------------------------------------------------
 
-    def _read(self, core: EngineCoreProcess) -> None:
-        while True:
-            try:
-                kind, *payload = core.conn.recv()
-            except (EOFError, OSError):
-                if not self._stopping.is_set():
-                    self._on_death(f"{core.name} died (exit code {core.exit_code()})")
-                return
-            if kind == "stopped":
-                return
-            if kind == "error":
-                self._on_death(f"{core.name} failed: {payload[0]}")
-                return
-            try:
-                outputs = self._collect(core.index, *payload)
-                self._on_outputs(outputs, self.stats())
-            except Exception as exc:  # a bug on this side: outputs lost, so fail everything rather than hang
-                logger.exception("reading %s's outputs failed", core.name)
-                self._on_death(f"reading {core.name}'s outputs failed: {exc!r}")
-                return
+    def _take(self, core: EngineCoreProcess, message: tuple | None) -> bool:
+        """Handle a message from a process (None: its end of the pipe closed); False once no more will come."""
+        if message is None:
+            if not self._stopping.is_set():
+                self._on_death(f"{core.name} died (exit code {core.exit_code()})")
+            return False
+        kind, *payload = message
+        if kind == "stopped":
+            return False
+        if kind == "error":
+            self._on_death(f"{core.name} failed: {payload[0]}")
+            return False
+        try:
+            outputs = self._collect(core.index, *payload)
+            self._on_outputs(outputs, self.stats())
+        except Exception as exc:  # a bug on this side: outputs lost, so fail everything rather than hang
+            logger.exception("reading %s's outputs failed", core.name)
+            self._on_death(f"reading {core.name}'s outputs failed: {exc!r}")
+            return False
+        return True
 
     def _collect(self, index: int, outputs: list[RequestOutput], stats: Any) -> list[RequestOutput]:
         collected = []
@@ -186,6 +189,19 @@ class EngineCoreClient:
 
     def shutdown(self) -> None:
         self._stop()
+
+
+def _read(client_ref: weakref.ref, core: EngineCoreProcess) -> None:
+    """A reader thread: one process's messages to the client, while both live."""
+    while True:
+        try:
+            message = core.conn.recv()
+        except (EOFError, OSError):
+            message = None
+        client = client_ref()
+        if client is None or not client._take(core, message):
+            return
+        del client
 
 
 def _stop_cores(cores: list[EngineCoreProcess], stopping: threading.Event) -> None:
