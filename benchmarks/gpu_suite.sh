@@ -4,6 +4,7 @@
 #   bash benchmarks/gpu_suite.sh throughput  # offline throughput vs HF (both shapes), kernel benchmarks
 #   bash benchmarks/gpu_suite.sh train    # train the 15m preset on the generated corpus
 #   bash benchmarks/gpu_suite.sh serving  # Poisson clients against pagellm serve and vLLM's server (see below)
+#   bash benchmarks/gpu_suite.sh serving-ab  # pagellm serve of another commit's package against this one (below)
 #   bash benchmarks/gpu_suite.sh perplexity  # INT8 vs bf16 KV perplexity of SmolLM2 on the GPU (see below)
 #   bash benchmarks/gpu_suite.sh structured  # JSON-schema decode on pagellm and vLLM, the step's phases (see below)
 #   bash benchmarks/gpu_suite.sh quant    # Llama-3.1-8B decode in bf16, FP8 and AWQ on vLLM, then pagellm (see below)
@@ -92,6 +93,34 @@ serving)
     PYTHONPATH=$PWD$([ $engine = vllm ] && echo :/tmp/site):/tmp/serve-deps timeout 280 python3 benchmarks/serving.py \
       --serve $engine --model .devcarry/smollm2-1.7b --load-format dummy --rates 4 16 64 --num-requests 256 \
       --max-token-id 49152 --server-log "$OUT/server-$engine.log" 2>&1 | tail -6
+  done
+  bundle ;;
+serving-ab)
+  # Interleaved runs of `pagellm serve` from BASELINE (a folder holding another commit's `pagellm/`, e.g.
+  # `git archive 2643dfb pagellm | tar -x -C .devcarry/thread`) and from this tree, serving.py at rates 16 and 64
+  # (MODES orders them; "vllm" runs vLLM's server when the peers' bundle is installed). Carry BASELINE,
+  # .devcarry/smollm2-1.7b and .devcarry/whl-serve (see serving).
+  python3 -m pip install -q --no-deps --target /tmp/serve-deps .devcarry/whl-serve/*.whl
+  serve_args="--model .devcarry/smollm2-1.7b --load-format dummy --port 8000 --max-model-len 4096"
+  client_args="--rates 16 64 --num-requests 256 --max-token-id 49152"
+  i=0
+  for mode in ${MODES:-baseline tree baseline tree}; do
+    i=$((i+1))
+    if [ $mode = vllm ]; then
+      [ -d /tmp/site/vllm ] || { echo "vllm: the bundle is not installed"; continue; }
+      PYTHONPATH=$PWD:/tmp/site:/tmp/serve-deps timeout 300 python3 benchmarks/serving.py --serve vllm \
+        --model .devcarry/smollm2-1.7b --load-format dummy $client_args --name serving-ab-$i \
+        --server-log "$OUT/server-$i-vllm.log" > "$OUT/client-$i-vllm.log" 2>&1
+    else
+      src=$PWD; [ $mode = baseline ] && src=$(cd "${BASELINE:?a folder with the baseline pagellm/}" && pwd)
+      PYTHONPATH=$src:/tmp/serve-deps python3 -m pagellm.cli serve $serve_args > "$OUT/server-$i-$mode.log" 2>&1 &
+      pid=$!
+      for t in $(seq 1 150); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+      PYTHONPATH=$PWD:/tmp/serve-deps timeout 170 python3 benchmarks/serving.py --url http://127.0.0.1:8000 \
+        $client_args --name serving-ab-$i-$mode > "$OUT/client-$i-$mode.log" 2>&1
+      kill $pid; sleep 3; pkill -9 -f "pagellm.cli serve"; pkill -9 -f multiprocessing.spawn; wait $pid 2> /dev/null
+    fi
+    echo "run $i $mode"; grep "^| [16]" "$OUT/client-$i-$mode.log"
   done
   bundle ;;
 structured)
