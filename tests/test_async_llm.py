@@ -66,6 +66,25 @@ def test_a_delta_consumer_that_falls_behind_gets_the_missed_deltas_merged(async_
     assert len(seen[1]) >= 10  # the pause's deltas came as one
 
 
+def test_an_id_used_again_right_after_its_abort_gets_only_its_own_outputs(async_tiny, tiny_llama_dir):
+    """The engine's process learns of an abort between its steps: what it sent of the aborted request meanwhile must
+    not reach the new request of the same id."""
+    other = [21, 22, 23]
+
+    async def abort_then_reuse():
+        first = async_tiny.stream(async_tiny.input_processor.process(PROMPT, replace(GREEDY, max_tokens=500), "again"))
+        for _ in range(3):  # running: more of its outputs are on their way
+            await anext(first)
+        await first.aclose()  # aborts it
+        return [out async for out in async_tiny.generate(other, GREEDY, request_id="again")]
+
+    outs = asyncio.run(abort_then_reuse())
+    offline = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True)
+    expected = offline.generate([other], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    assert outs[-1].finished and outs[-1].outputs[0].token_ids == expected
+    assert all(out.request_id == "again" and out.prompt_token_ids == other for out in outs)
+
+
 def test_an_output_that_ends_the_request_is_never_replaced(tiny_llama_dir):
     """The engine failing after a request's last output (an error handed to every open stream) must not hide it."""
     llm = AsyncLLM(EngineConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True))

@@ -90,6 +90,24 @@ def test_abort_frees_blocks(tiny_llama_dir):
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
+def test_an_id_reused_while_its_aborted_request_is_in_flight_is_refused(tiny_llama_dir):
+    """Asynchronous scheduling keeps a step in flight: its rows would be applied to the new request of that id."""
+    engine = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True).engine
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    engine.add_request([1, 2, 3], params, "x")
+    for _ in range(3):
+        engine.step()
+    engine.abort("x")
+    with pytest.raises(ValueError, match="request_id='x' is still in use"):
+        engine.add_request([4, 5, 6], params, "x")
+    engine.step()  # the step in flight comes back: the id is free
+    engine.add_request([4, 5, 6], params, "x")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert len(outs[-1].outputs[0].token_ids) == 50 and engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
 @pytest.mark.parametrize("model", ["/no/such/dir", "no-such-model.gguf", "not a hub id"])
 def test_unknown_model_is_a_clear_error(model, monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

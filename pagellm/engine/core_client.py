@@ -20,6 +20,7 @@ passes `on_outputs` instead, called on the reader threads.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import multiprocessing.util
 import queue
@@ -46,9 +47,11 @@ REPORT_WAIT_S = 0.005  # how long `step` waits for a process's report (new reque
 
 @dataclass
 class _Tracked:
-    """An unfinished request: its process, and for a CUMULATIVE one its output so far, rebuilt from deltas."""
+    """An unfinished request: its process, its id there, and for a CUMULATIVE one its output so far, rebuilt from
+    deltas."""
 
     core: int
+    wire_id: str
     cumulative: bool
     so_far: RequestOutput | None = None
 
@@ -81,6 +84,10 @@ class EngineCoreClient:
         self._on_death = on_death or self._reports.put  # a string: `step` raises it
         self._lock = threading.Lock()  # the callers' threads and the reader threads share the request table
         self._requests: dict[str, _Tracked] = {}
+        # A request is known to its process by an id of its own (the caller's id, numbered): a caller's id used
+        # again right after an abort never gets a late output of the aborted request.
+        self._by_wire_id: dict[str, str] = {}
+        self._wire_numbers = itertools.count()
         self._stopping = threading.Event()  # set before the processes are told to stop: their ends are no deaths
         self.cores = [EngineCoreProcess(i, config) for i in range(config.data_parallel_size)]  # loading at once
         # The processes stop with `shutdown`, when this object is collected (`del llm`), or at exit before
@@ -114,21 +121,23 @@ class EngineCoreClient:
         cumulative = processed.samples[0].params.output_kind == RequestOutputKind.CUMULATIVE
         with self._lock:
             index = self._router.pick(processed.prompt_token_ids)
-            self._requests[processed.request_id] = _Tracked(index, cumulative)
+            wire_id = f"{processed.request_id}#{next(self._wire_numbers)}"
+            self._requests[processed.request_id] = _Tracked(index, wire_id, cumulative)
+            self._by_wire_id[wire_id] = processed.request_id
+        wire = processed.renamed(wire_id)
         if cumulative:  # the process sends what is new, this side keeps the whole
-            as_delta = [
-                replace(s, params=replace(s.params, output_kind=RequestOutputKind.DELTA)) for s in processed.samples
-            ]
-            processed = replace(processed, samples=as_delta)
-        self.cores[index].send("add", replace(processed, grammar=None))
+            as_delta = [replace(s, params=replace(s.params, output_kind=RequestOutputKind.DELTA)) for s in wire.samples]
+            wire = replace(wire, samples=as_delta)
+        self.cores[index].send("add", replace(wire, grammar=None))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             tracked = self._requests.pop(request_id, None)
             if tracked is None:
                 return
+            del self._by_wire_id[tracked.wire_id]
             self._router.finished(tracked.core)
-        self.cores[tracked.core].send("abort", request_id)
+        self.cores[tracked.core].send("abort", tracked.wire_id)
 
     def has_unfinished(self) -> bool:
         return bool(self._requests)
@@ -161,12 +170,14 @@ class EngineCoreClient:
         with self._lock:
             self._stats[index] = stats
             for output in outputs:
-                tracked = self._requests.get(output.request_id)
-                if tracked is None:  # aborted meanwhile
+                request_id = self._by_wire_id.get(output.request_id)
+                if request_id is None:  # aborted meanwhile
                     continue
+                tracked = self._requests[request_id]
                 if output.finished:
-                    del self._requests[output.request_id]
+                    del self._requests[request_id], self._by_wire_id[output.request_id]
                     self._router.finished(index)
+                output.request_id = request_id  # unpickled here: this side's to change
                 collected.append(tracked.add(output))
         return collected
 

@@ -40,6 +40,17 @@ class ProcessedRequest:
     grammar: CompiledGrammar | None = None  # structured outputs: what every sample's tokens must follow
     arrival_time: float = field(default_factory=time.time)
 
+    def renamed(self, request_id: str) -> ProcessedRequest:
+        """The same request under another id (its samples' ids follow)."""
+        n = len(self.samples)
+        samples = [replace(s, request_id=sample_request_id(request_id, s.index, n)) for s in self.samples]
+        return replace(self, request_id=request_id, samples=samples)
+
+
+def sample_request_id(request_id: str, index: int, n: int) -> str:
+    """A sample's id: its request's own when the request has one sample."""
+    return request_id if n == 1 else f"{index}_{request_id}"
+
 
 class InputProcessor:
     def __init__(
@@ -112,10 +123,9 @@ class InputProcessor:
                 raise InvalidParameter(
                     "allowed_token_ids", "allowed_token_ids: the structured output can start with none of them"
                 )
-        if params.n == 1:
-            samples = [SampleRequest(request_id, 0, params, max_tokens)]
-        else:
-            samples = [SampleRequest(f"{i}_{request_id}", i, params.for_child(i), max_tokens) for i in range(params.n)]
+        n = params.n
+        children = [params] if n == 1 else [params.for_child(i) for i in range(n)]
+        samples = [SampleRequest(sample_request_id(request_id, i, n), i, p, max_tokens) for i, p in enumerate(children)]
         return ProcessedRequest(request_id, prompt if isinstance(prompt, str) else None, ids, samples, grammar)
 
     def _bad_words_token_ids(self, bad_words: list[str]) -> list[list[int]]:
