@@ -34,7 +34,7 @@ from typing import Any
 from pagellm.config import EngineConfig
 from pagellm.distributed.data_parallel import Router, check_data_parallel, combine_stats
 from pagellm.engine.core_process import EngineCoreProcess
-from pagellm.engine.frontend import load_frontend
+from pagellm.engine.frontend import ModelFrontend
 from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
@@ -62,7 +62,7 @@ class _Tracked:
         return output
 
 
-class EngineCoreClient:
+class EngineCoreClient(ModelFrontend):
     def __init__(
         self,
         config: EngineConfig,
@@ -72,11 +72,7 @@ class EngineCoreClient:
         """Starts the processes and waits for their engines. `on_outputs(outputs, stats)` gets each step's outputs
         and the stats after it (all processes together); without it, `step` returns the outputs. Without
         `on_death`, `step` raises the error of a process that died."""
-        self.config = config
-        frontend = load_frontend(config)
-        self.model_dir, self.model_config = frontend.model_dir, frontend.model_config
-        self.tokenizer, self.max_model_len = frontend.tokenizer, frontend.max_model_len
-        self.input_processor = frontend.input_processor
+        super().__init__(config)
         self.startup_seconds: dict[str, float] = {}
         check_data_parallel(config)
         self._reports: queue.Queue = queue.Queue()

@@ -17,7 +17,7 @@ from pagellm.core.request import Request, RequestStatus
 from pagellm.core.step import SchedulerOutput
 from pagellm.distributed.executor import RankLaunched, TensorParallelExecutor
 from pagellm.engine.core_client import EngineCoreClient
-from pagellm.engine.frontend import load_frontend
+from pagellm.engine.frontend import ModelFrontend
 from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.engine.kv_cache_manager import KVCacheManager
 from pagellm.engine.output_processor import OutputProcessor
@@ -45,13 +45,9 @@ class EngineStats(SchedulerStats):
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
 
-class Engine:
+class Engine(ModelFrontend):
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
-        frontend = load_frontend(config)
-        self.model_dir, self.model_config = frontend.model_dir, frontend.model_config
-        self.tokenizer, self.max_model_len = frontend.tokenizer, frontend.max_model_len
-        self.input_processor = frontend.input_processor
+        super().__init__(config)
         # Seconds spent in each start-up phase, logged and kept for benchmarks.
         self.startup_seconds: dict[str, float] = {}
         with self._phase("load_model"):

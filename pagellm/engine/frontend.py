@@ -1,10 +1,9 @@
 """What serving a model needs before (and without) its weights: its files, config, tokenizer, context limit and
-the input processor. The engine builds one; a data-parallel front end builds its own and leaves the weights to
-its replicas."""
+the input processor. The engine is built on it, and so is the client of engines in other processes, which leaves
+the weights to them."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from pagellm.config import EngineConfig, ModelConfig, resolve_max_model_len
@@ -14,21 +13,19 @@ from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.tokenizer import Tokenizer
 
 
-@dataclass
 class ModelFrontend:
-    model_dir: Path
-    model_config: ModelConfig
-    tokenizer: Tokenizer | None
-    max_model_len: int
-    input_processor: InputProcessor
+    """The part of an engine that is there before its weights: its config, the model's files and config, the
+    tokenizer, the context limit and the input processor. `Engine` and `EngineCoreClient` (which leaves the weights
+    to its processes) are built on it."""
 
-
-def load_frontend(config: EngineConfig) -> ModelFrontend:
-    model_dir = resolve_model_dir(config.model, quiet=config.quiet)
-    model_config = ModelConfig.from_dict(load_config_dict(model_dir))
-    tokenizer = Tokenizer.from_dir(model_dir)
-    max_model_len = resolve_max_model_len(config, model_config)
-    eos_ids = eos_token_ids(model_dir, model_config, tokenizer)
-    grammar_compiler = GrammarCompiler(tokenizer, model_config.vocab_size, eos_ids)
-    processor = InputProcessor(tokenizer, model_config, max_model_len, eos_ids, grammar_compiler)
-    return ModelFrontend(model_dir, model_config, tokenizer, max_model_len, processor)
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir: Path = resolve_model_dir(config.model, quiet=config.quiet)
+        self.model_config = ModelConfig.from_dict(load_config_dict(self.model_dir))
+        self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.model_dir)
+        self.max_model_len = resolve_max_model_len(config, self.model_config)
+        eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
+        grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos_ids)
+        self.input_processor = InputProcessor(
+            self.tokenizer, self.model_config, self.max_model_len, eos_ids, grammar_compiler
+        )
