@@ -4,6 +4,7 @@ operators with the most CPU time of their own.
 
     python benchmarks/profile_step.py --model Qwen3-0.6B --batch 1 --context 128
     python benchmarks/profile_step.py --model Qwen3-0.6B --prefill --context 128   # time to first token
+    python benchmarks/profile_step.py --model Llama-3.1-8B --batch 256 --context 600 --quantization fp8
     python benchmarks/profile_step.py --model DIR --batch 64 --structured --trace trace.json.gz
     python benchmarks/profile_step.py --model DIR --batch 64 --structured --phases
 
@@ -151,10 +152,16 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true", help="time Engine.step's calls instead of profiling")
     parser.add_argument("--warmup", type=int, default=30, help="--phases: steps before the timed ones")
     parser.add_argument("--repeats", type=int, default=2, help="--phases: runs of each kind, alternately")
+    parser.add_argument("--quantization", default=None, help="the weights' format (fp8, awq, gptq; bf16 without)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     llm = LLM(
-        model_dir(args.model), load_format="dummy", max_model_len=4096, max_num_seqs=max(args.batch, 16), quiet=True
+        model_dir(args.model),
+        load_format="dummy",
+        max_model_len=4096,
+        max_num_seqs=max(args.batch, 16),
+        quantization=args.quantization,
+        quiet=True,
     )
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
@@ -214,6 +221,7 @@ def main() -> None:
     top_host = sorted(host, key=lambda e: -e.self_cpu_time_total)[:12]
     result = {
         "model": args.model,
+        "quantization": args.quantization,
         "batch": args.batch,
         "context": args.context,
         "wall_ms_per_step": wall_ms,
@@ -248,7 +256,8 @@ def main() -> None:
         ],
     }
     print(
-        f"{args.model} batch {args.batch}{' structured' if args.structured else ''} ctx {args.context}: "
+        f"{args.model} ({args.quantization or 'bf16'}) batch {args.batch}{' structured' if args.structured else ''} "
+        f"ctx {args.context}: "
         f"wall {wall_ms:.3f} ms/step, GPU kernels "
         f"{gpu_ms:.3f} ms/step, {launches:.0f} kernels/step, {result['tok_s']:.0f} tok/s"
     )

@@ -1,11 +1,13 @@
 """The quantized-weight matmuls on the GPU at Llama-3.1-8B's shapes: each tile configuration of
-`weight_only_matmul` (INT4 groups of 128 as AWQ/GPTQ, FP8 per channel) for 1, 16 and 64 rows, against the bf16
+`weight_only_matmul` (INT4 groups of 128 as AWQ/GPTQ, FP8 per channel) for 1, 16 and 64 rows (INT4 also for
+128-1024 rows: how far the fused matmul beats the engine's dequantize + cuBLAS), against the bf16
 GEMV / cuBLAS on the same shape, the prefill paths (dequantize + cuBLAS; FP8 x FP8 `torch._scaled_mm`) and the
 bandwidth limit of the bytes each must read. Every configuration's output is checked against torch first. The
 table lists the best configuration per (format, rows, shape) and the best single one per (format, rows) over the
 four shapes (what `matmul_tiles` picks); the JSON holds the whole sweep. INT4 dot tiles whose block_k divides the
-group (128) run on BASE + q with the group scales applied to the sums (`_biased_int4_dot`), the others dequantize
-each value to fp32 first; one row is also tried on dot tiles (block_m 16) beside the integer GEMV.
+group (128) run on BASE + q with the group scales applied to the sums (`_biased_int4_dot`) unless the tiles say
+otherwise (int4_dot), the others dequantize each value through fp32 to bf16 first; one row is also tried on dot
+tiles (block_m 16) beside the integer GEMV.
 
 Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache
 before the timing, which then runs alone on the GPU.
@@ -38,6 +40,7 @@ from pagellm.kernels.quant_matmul import Tiles, dequantize, fp8_quantize_rows, w
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 GROUP = 128
 ROWS = (1, 16, 64)
+MANY_ROWS = (128, 256, 512, 1024)  # where INT4 leaves the fused matmul for dequantize + cuBLAS (--rows)
 FORMATS = ("int4", "fp8")
 
 
@@ -59,8 +62,17 @@ def tile_grid(fmt: str, m: int) -> list[Tiles]:
         return [Tiles(16, n, k, w, s, swap, split) for swap, n, k, w, s, split in grid]
     if fmt == "fp8":  # above 16 rows FP8 runs on the FP8 tensor cores
         return []
-    grid = itertools.product([False, True], [32, 64, 128], [64, 128], [1, 2, 4])
-    return [Tiles(64, n, k, 4, 3, swap, split) for swap, n, k, split in grid]
+    if m == 64:
+        grid = itertools.product([False, True], [32, 64, 128], [64, 128], [1, 2, 4], ["base", "scaled"])
+        return [Tiles(64, n, k, 4, 3, swap, split, dot) for swap, n, k, split, dot in grid]
+    # More rows: larger tiles, and the weights scaled before the dot (in bf16 pairs or through fp32).
+    blocks = [(64, 64), (64, 128), (128, 64), (128, 128), (256, 64)]
+    grid = itertools.product(blocks, [64, 128], [4, 8], [False, True], ["scaled", "fp32"])
+    return [Tiles(bm, bn, k, w, 3, swap, 1, dot) for (bm, bn), k, w, swap, dot in grid]
+
+
+def tiles_name(tiles: Tiles) -> str:
+    return "x".join(v if isinstance(v, str) else str(int(v)) for v in tiles)
 
 
 def weights(fmt: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
@@ -115,11 +127,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="every 5th configuration only")
     parser.add_argument("--workers", type=int, default=12, help="compiling processes")
     parser.add_argument("--rep", type=int, default=40, help="ms of timing per configuration")
-    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), choices=ROWS)
+    parser.add_argument("--rows", type=int, nargs="+", default=list(ROWS), choices=ROWS + MANY_ROWS)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
+    parser.add_argument("--name", default="quant-kernels", help="results file name (before the date)")
     args = parser.parse_args()
     plan = {(fmt, m): tile_grid(fmt, m)[:: 5 if args.quick else 1] for fmt in args.formats for m in args.rows}
-    jobs = [(fmt, m, t) for (fmt, m), grid in plan.items() for t in grid]
+    # One compile per binary: the row count is no constexpr, so each (format, tiles) compiles once for every m.
+    jobs = list({(fmt, t): (fmt, m, t) for (fmt, m), grid in plan.items() for t in grid}.values())
     started = time.time()
     if args.workers > 1:
         ctx = torch.multiprocessing.get_context("spawn")
@@ -162,7 +176,7 @@ def main() -> None:
                     "format": fmt,
                     "rows": m,
                     "shape": shape,
-                    "best_tiles": "x".join(str(int(v)) for v in top["tiles"]),
+                    "best_tiles": tiles_name(top["tiles"]),
                     "best_ms": top["ms"],
                     "default_ms": default_ms,
                     "%_of_bandwidth": 100 * moved / (top["ms"] / 1e3) / args.bandwidth,
@@ -178,15 +192,15 @@ def main() -> None:
                 "format": fmt,
                 "rows": m,
                 "shape": "all four (geomean)",
-                "best_tiles": "x".join(str(int(v)) for v in overall),
+                "best_tiles": tiles_name(overall),
                 "best_ms": math.exp(sum(map(math.log, times[overall])) / len(times[overall])),
             }
         )
     columns = ["format", "rows", "shape", "best_tiles", "best_ms", "default_ms", "%_of_bandwidth", "bf16_ms"]
     columns += ["dequantize_cublas_ms", "fp8_tensor_cores_ms", "speedup_vs_bf16"]
     table = markdown_table(best, columns)
-    note = "tiles: block_m x block_n x block_k x warps x stages x swap_ab x split_k"
-    write_results("quant-kernels", {"environment": environment(), "note": note, "best": best, "sweep": sweep}, table)
+    note = "tiles: block_m x block_n x block_k x warps x stages x swap_ab x split_k x int4_dot"
+    write_results(args.name, {"environment": environment(), "note": note, "best": best, "sweep": sweep}, table)
     print(table)
 
 

@@ -16,8 +16,12 @@ from pagellm.kernels import reference
 HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Integer weights: rows up to which dequantizing in the matmul beats dequantize + cuBLAS (INT4 in groups of 64 or
 # more runs on pair-plane dots: 1.4-2.5x dequantize + cuBLAS at 64 rows, quant-kernels-int4-h100-2026-12-06).
+# Past 64 rows only the widest INT4 weights (gate|up) still gain on the H200: 0.098 against 0.173 ms at 128 rows,
+# 0.180 against 0.194 at 256 (lost at 512); the others lose from 128 or 256 rows on
+# (quant-kernels-int4-many-rows-2026-12-06).
 GROUPED_FUSED_ROWS = 16
 INT4_FUSED_ROWS = 64
+WIDE_INT4_FUSED_ROWS = 256
 FP8_WEIGHT_ONLY_ROWS = 16  # FP8 weights: rows up to which the weight-only matmul beats FP8 x FP8 tensor cores
 
 
@@ -223,11 +227,18 @@ class TritonOps(_Composed):
         return x.dim() == 2 and 0 < x.shape[0] <= self._gemv.FEW_ROWS and bias is None and x.dtype in HALF_DTYPES
 
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
-        """Up to GROUPED_FUSED_ROWS rows (INT4_FUSED_ROWS for INT4 in groups of 64 or more) dequantize in the
-        matmul's loop; more rows dequantize once and use cuBLAS (for the others at 64 rows the faster on three of
-        Llama-3.1-8B's four shapes, H200 sweep of 2026-12-03)."""
+        """Up to GROUPED_FUSED_ROWS rows (INT4_FUSED_ROWS for INT4 in groups of 64 or more, WIDE_INT4_FUSED_ROWS
+        for the widest of those weights) dequantize in the matmul's loop; more rows dequantize once and use cuBLAS
+        (for the others at 64 rows the faster on three of Llama-3.1-8B's four shapes, H200 sweep of
+        2026-12-03)."""
         int4_dots = bits == 4 and group_size % 64 == 0
-        if x.shape[0] <= (INT4_FUSED_ROWS if int4_dots else GROUPED_FUSED_ROWS):
+        if not int4_dots:
+            fused_rows = GROUPED_FUSED_ROWS
+        elif qweight.shape[0] > self._quant.WIDE_WEIGHT_ROWS:
+            fused_rows = WIDE_INT4_FUSED_ROWS
+        else:
+            fused_rows = INT4_FUSED_ROWS
+        if x.shape[0] <= fused_rows:
             return self._quant.weight_only_matmul(x.contiguous(), qweight, scales, offsets, bits, group_size, bias)
         return F.linear(x, self._quant.dequantize(qweight, scales, offsets, bits, group_size, x.dtype), bias)
 

@@ -152,6 +152,81 @@ def _biased_int4_dot(
 
 
 @triton.jit
+def _pair_bits(value, BASE: tl.constexpr):
+    """fp32 [rows] -> int32 [rows]: the value rounded to the 16-bit float of BASE (bf16 for 128, fp16 for 1024) in
+    both halves of a word, as packed instructions take it."""
+    dtype: tl.constexpr = tl.bfloat16 if BASE == 128 else tl.float16
+    bits = value.to(dtype).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits | (bits << 16)
+
+
+def _scaled_pair_asm(packed: str, one: int, minus_base: int) -> tl.constexpr:
+    """PTX for `_scaled_pair` on one 32-bit register of two 16-bit floats: q = (BASE + q) * 1 - BASE exactly, then
+    q * scale + offset."""
+    return tl.constexpr(
+        f"""{{
+        .reg .b32 one, minus_base, q;
+        mov.b32 one, {one:#x};
+        mov.b32 minus_base, {minus_base:#x};
+        fma.rn.{packed} q, $1, one, minus_base;
+        fma.rn.{packed} $0, q, $2, $3;
+        }}"""
+    )
+
+
+_BF16_SCALED_PAIR: tl.constexpr = _scaled_pair_asm("bf16x2", 0x3F803F80, 0xC300C300)  # 1.0 and -128 twice
+_F16_SCALED_PAIR: tl.constexpr = _scaled_pair_asm("f16x2", 0x3C003C00, 0xE400E400)  # 1.0 and -1024 twice
+
+
+@triton.jit
+def _scaled_pair(pair, scale2, offset2, BASE: tl.constexpr, ASM: tl.constexpr):
+    """Both halves of `pair` (16-bit floats BASE + q, as `_biased_int4_dot` makes them) to q * scale + offset, the
+    scale and offset packed in both halves of scale2 / offset2 (`_pair_bits`): two packed instructions per two
+    values, each value rounded once. The twin computes the same in fp32."""
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            _BF16_SCALED_PAIR if BASE == 128 else _F16_SCALED_PAIR,
+            "=r,r,r,r",
+            [pair, scale2, offset2],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        dtype: tl.constexpr = tl.bfloat16 if BASE == 128 else tl.float16
+        scale = (scale2 & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+        offset = (offset2 & 0xFFFF).to(tl.int16).to(dtype, bitcast=True).to(tl.float32)
+        lo = ((pair & 15).to(tl.float32) * scale + offset).to(dtype).to(tl.int16, bitcast=True).to(tl.int32)
+        hi = (((pair >> 16) & 15).to(tl.float32) * scale + offset).to(dtype).to(tl.int16, bitcast=True)
+        out = (lo & 0xFFFF) | (hi.to(tl.int32) << 16)
+    return out
+
+
+@triton.jit
+def _scaled_int4_dot(
+    w_ptr, rows, k0, N, k_words, stride_w, x, scale, offset, acc,
+    BASE: tl.constexpr, SWAP_AB: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr,
+):  # fmt: skip
+    """acc + the dot of INT4 weight rows `rows` (their group's fp32 scale and offset) with x [M, BLOCK_K], the
+    weights dequantized to x's dtype before the dot, on the pair planes of `_biased_int4_dot` (BLOCK_K >= 64).
+    For many rows: scaling each weight costs BLOCK_N * BLOCK_K multiply-adds a tile where scaling the sums of
+    BASE + q costs BLOCK_N * BLOCK_M, and packed in pairs (`_scaled_pair`) a value takes about two instructions
+    where dequantizing it through fp32 takes five."""
+    words = _load_words(w_ptr, rows, k0, N, k_words, stride_w, 4, BLOCK_K)
+    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
+    planes = _x_pair_planes(x, BLOCK_K // 8)
+    scale2 = tl.broadcast_to(_pair_bits(scale, BASE)[:, None], words.shape)
+    offset2 = tl.broadcast_to(_pair_bits(offset, BASE)[:, None], words.shape)
+    for q in tl.static_range(4):
+        pair = _scaled_pair(((words >> (4 * q)) & 0x000F000F) | (BASE_BITS * 0x10001), scale2, offset2, BASE, ASM)
+        lo = pair.to(tl.int16).to(x.dtype, bitcast=True)
+        hi = (pair >> 16).to(tl.int16).to(x.dtype, bitcast=True)
+        w = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K // 4))
+        acc = tl.dot(w, tl.trans(planes[q]), acc) if SWAP_AB else tl.dot(planes[q], tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, res_ptr, res_out_ptr, norm_ptr, N, K, k_words,
     stride_w, stride_s, eps,
@@ -353,6 +428,7 @@ def _tile_matmul_kernel(
     x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, k_words, tiles_per_split, stride_x, stride_w,
     stride_s, stride_out,
     FP8: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr, BASE: tl.constexpr,
+    SCALE_FIRST: tl.constexpr, ASM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SWAP_AB: tl.constexpr,
 ):  # fmt: skip
     """Several activation rows: tensor-core dots on weight tiles dequantized in registers. SWAP_AB computes
@@ -368,9 +444,13 @@ def _tile_matmul_kernel(
     BASE 128 or 1024 (INT4 with bf16 or fp16 activations, each tile inside one group; 0 otherwise): the dot
     runs on BASE + q as stored (`_biased_int4_dot`), and the group's scale s and offset o apply to its sums:
     sum((q * s + o) x) = s * dot(BASE + q, x) + (o - BASE * s) * sum(x). The sums are fp32, whose 24 bits leave
-    the cancellation of BASE * sum(x) far below bf16's rounding."""
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    tokens = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    the cancellation of BASE * sum(x) far below bf16's rounding. SCALE_FIRST (with BASE) scales the weights
+    instead, before the dot (`_scaled_int4_dot`): fewer multiply-adds once the tokens outnumber the tile's
+    columns."""
+    # Token tiles on the grid's fastest axis: the programs that share a weight tile run together, so each weight
+    # tile crosses HBM once (with the weight tiles outermost, a weight larger than L2 was read once per token tile).
+    tokens = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     r_mask, t_mask = rows < N, tokens < M
     acc = tl.zeros([BLOCK_N, BLOCK_M] if SWAP_AB else [BLOCK_M, BLOCK_N], tl.float32)
     split = tl.program_id(2)
@@ -389,13 +469,18 @@ def _tile_matmul_kernel(
             next_scale, next_offset = _group_scales(
                 scale_ptr, offset_ptr, rows, (k0 + BLOCK_K) // GROUP, tl.where(last, 0, N), stride_s
             )
-            part = _biased_int4_dot(w_ptr, rows, k0, N, k_words, stride_w, x, BASE, SWAP_AB, BLOCK_K)
-            shift = offset - BASE * scale
-            x_sum = tl.sum(x.to(tl.float32), axis=1)
-            if SWAP_AB:
-                acc += part * scale[:, None] + shift[:, None] * x_sum[None, :]
+            if SCALE_FIRST:
+                acc = _scaled_int4_dot(
+                    w_ptr, rows, k0, N, k_words, stride_w, x, scale, offset, acc, BASE, SWAP_AB, BLOCK_K, ASM
+                )
             else:
-                acc += part * scale[None, :] + x_sum[:, None] * shift[None, :]
+                part = _biased_int4_dot(w_ptr, rows, k0, N, k_words, stride_w, x, BASE, SWAP_AB, BLOCK_K)
+                shift = offset - BASE * scale
+                x_sum = tl.sum(x.to(tl.float32), axis=1)
+                if SWAP_AB:
+                    acc += part * scale[:, None] + shift[:, None] * x_sum[None, :]
+                else:
+                    acc += part * scale[None, :] + x_sum[:, None] * shift[None, :]
             scale, offset = next_scale, next_offset
         else:
             w = _load_weight_tile(
@@ -456,9 +541,17 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
     tl.store(scale_ptr + row, scale)
 
 
+INT4_DOTS = ("base", "scaled", "fp32")
+# Weights with more output rows than this (Llama-3.1-8B's gate|up, 28,672) take INT4 tiles of their own.
+WIDE_WEIGHT_ROWS = 16384
+
+
 class Tiles(NamedTuple):
     """One launch configuration of `weight_only_matmul`; block_m 1 is the one-row GEMV kernel (which ignores
-    swap_ab and split_k). split_k: how many programs share each tile's columns (see `_tile_matmul_kernel`)."""
+    swap_ab, split_k and int4_dot). split_k: how many programs share each tile's columns (see
+    `_tile_matmul_kernel`). int4_dot, for INT4 tiles inside one group: "base" dots BASE + q and scales the sums,
+    "scaled" scales the weights in x's dtype before the dot (block_k 64 or more), "fp32" dequantizes each value
+    through fp32 (what tiles spanning several groups always do)."""
 
     block_m: int
     block_n: int
@@ -467,6 +560,7 @@ class Tiles(NamedTuple):
     num_stages: int
     swap_ab: bool = False
     split_k: int = 1
+    int4_dot: str = "base"
 
 
 def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128, n: int = 0, k: int = 0) -> Tiles:
@@ -475,7 +569,8 @@ def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128, n: int
     2-64 rows quant-kernels-int4-h100-2026-12-06): narrow row tiles or split columns, so even N = 4,096 spreads over
     every SM. One row of INT4 also by the weight's shape [n, k], as the best per shape on both the H200 and the H100
     (ab-int4-one-row-2026-12-06): narrower tiles for the widest weight (gate|up), 8 warps for the longest rows
-    (down_proj)."""
+    (down_proj). INT4 at 17-256 rows scales the weights before the dot, the best per shape on the H200
+    (quant-kernels-int4-many-rows-2026-12-06: 12-18% faster than the scaled sums at 64 rows)."""
     if m == 1 and fp8:
         return Tiles(1, 8, 1024, 4, 2)
     if m == 1:  # INT4's block_k: 8 x the words of a row per iteration of its own kernel
@@ -486,7 +581,13 @@ def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128, n: int
         return Tiles(16, 32, 256, 4, 4, split_k=2)
     if bits == 4 and group_size % 64 == 0:  # INT4 pair-plane dots need 64 columns inside one group
         block_k = 128 if group_size % 128 == 0 else 64
-        return Tiles(16, 128, block_k, 4, 3, True, 8) if m <= 16 else Tiles(64, 128, block_k, 4, 3, True, 4)
+        if m <= 16:
+            return Tiles(16, 128, block_k, 4, 3, True, 8)
+        # gate|up: wide row tiles, no column splits (224 row tiles fill the SMs); 128 tokens spill 64 bytes on
+        # sm_90 and still beat every other tile at 128 and 256 rows
+        if n > WIDE_WEIGHT_ROWS:
+            return Tiles(128 if m > 64 else 64, 128, block_k, 4, 3, True, 1, "scaled")
+        return Tiles(64, 64, block_k, 4, 3, False, 4, "scaled")
     return Tiles(min(64, max(16, triton.next_power_of_2(m))), 32, 256, 4, 3)
 
 
@@ -513,6 +614,10 @@ def weight_only_matmul(
     m, k = x.shape
     n = weight.shape[0]
     t = tiles or matmul_tiles(m, fp8, bits, group_size, n, k)
+    if t.int4_dot not in INT4_DOTS or (t.int4_dot == "scaled" and t.block_k < 64):
+        raise ValueError(
+            f"int4_dot {t.int4_dot!r} with block_k {t.block_k}: one of {INT4_DOTS} (scaled: block_k >= 64)"
+        )
     if t.block_m == 1:
         if m != 1:
             raise ValueError(f"one-row tiles (block_m 1) given {m} rows")
@@ -523,7 +628,8 @@ def weight_only_matmul(
     tiles_per_split = triton.cdiv(triton.cdiv(k, t.split_k), t.block_k)
     split_k = triton.cdiv(k, tiles_per_split * t.block_k)
     partials = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x.device)
-    _tile_matmul_kernel[(triton.cdiv(n, t.block_n), triton.cdiv(m, t.block_m), split_k)](
+    base_dots = t.int4_dot != "fp32" and bits == 4 and not fp8 and group_size % t.block_k == 0
+    _tile_matmul_kernel[(triton.cdiv(m, t.block_m), triton.cdiv(n, t.block_n), split_k)](
         x,
         weight,
         scales,
@@ -543,7 +649,9 @@ def weight_only_matmul(
         BITS=bits,
         GROUP=max(group_size, 1),  # unused by FP8
         HAS_BIAS=bias is not None,
-        BASE=_int4_dot_base(x.dtype) if bits == 4 and not fp8 and group_size % t.block_k == 0 else 0,
+        BASE=_int4_dot_base(x.dtype) if base_dots else 0,
+        SCALE_FIRST=base_dots and t.int4_dot == "scaled",
+        ASM=asm_conversions(x),
         BLOCK_M=t.block_m,
         BLOCK_N=t.block_n,
         BLOCK_K=t.block_k,

@@ -47,8 +47,9 @@ def test_quantized_gpu_matches_cpu(model_dir, tmp_path, fmt):
         path, quantization = str(tmp_path / fmt), None
     dense_dir = save_dense(model_dir, dense, tmp_path / "dense")
     gen = torch.Generator().manual_seed(0)
-    # 300-token prompts: the prefill paths (dequantize + cuBLAS, FP8 x FP8); 20-token ones: the decode-sized rows.
-    ps = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (300, 20, 20, 7)]
+    # 300-token prompts: the prefill paths (dequantize + cuBLAS, FP8 x FP8); 40 and 20-token ones: decode-sized
+    # rows (INT4 at 17-64 rows: the weights scaled before the dot).
+    ps = [torch.randint(0, 1024, (n,), generator=gen).tolist() for n in (300, 40, 20, 20, 7)]
     exact = prompt_logprobs(LLM(path, quantization=quantization, device="cpu", dtype="float32", quiet=True), ps)
     gpu = LLM(path, quantization=quantization, device="cuda", dtype="bfloat16", max_num_batched_tokens=16, quiet=True)
     assert gpu.engine.runner.model.layers[0].mlp.down_proj.method is not None  # still quantized on the GPU
@@ -56,12 +57,16 @@ def test_quantized_gpu_matches_cpu(model_dir, tmp_path, fmt):
     bf16 = LLM(dense_dir, device="cuda", dtype="bfloat16", max_num_batched_tokens=16, quiet=True)
     bf16_err = (prompt_logprobs(bf16, ps) - exact).abs().mean()
     assert quant_err < ERROR_BOUND[fmt] * bf16_err, (quant_err, bf16_err)
-    # Long prefills in one step (more rows than the fused matmuls take).
+    # Prefills in one step: more rows than the fused matmuls take (300), and 40 rows.
     whole = LLM(path, quantization=quantization, device="cuda", dtype="bfloat16", quiet=True)
-    assert (prompt_logprobs(whole, ps[:1]) - exact[: len(ps[0]) - 1]).abs().mean() < ERROR_BOUND[fmt] * bf16_err
+    start = 0
+    for prompt in ps[:2]:
+        end = start + len(prompt) - 1
+        assert (prompt_logprobs(whole, [prompt]) - exact[start:end]).abs().mean() < ERROR_BOUND[fmt] * bf16_err
+        start = end
     # Decode steps of 1 and 16 rows under CUDA graphs produce tokens (no fault, no NaN).
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    for batch in (ps[1:2], [ps[1]] * 16):
+    for batch in (ps[2:3], [ps[2]] * 16):
         assert all(len(o.outputs[0].token_ids) == 16 for o in whole.generate(batch, params, use_tqdm=False))
 
 

@@ -102,8 +102,9 @@ def test_one_int4_row_is_exact_on_int8_grid_activations(dtype, group):
 
 # Each code path of the two kernels: the one-row GEMV with tiles inside one group, spanning several and ending
 # past K; the dot kernel with tiles inside one group (INT4: on BASE + q, in either operand order) or spanning
-# several, in either operand order; one activation row through the dot kernel; columns split between programs
-# (a last split shorter than the others, and more splits asked for than K has tiles).
+# several, in either operand order, or inside one group but with the weights dequantized before the dot (INT4:
+# scaled in x's dtype, or through fp32); one activation row through the dot kernel; columns split between programs
+# (a last split shorter than the others, and more splits asked for than K has tiles). 19 rows take two token tiles.
 TILE_VARIANTS = [
     Tiles(1, 16, 64, 4, 2),
     Tiles(1, 8, 256, 4, 3),
@@ -115,11 +116,14 @@ TILE_VARIANTS = [
     Tiles(16, 16, 64, 4, 2, split_k=3),
     Tiles(16, 64, 128, 4, 2, swap_ab=True, split_k=2),
     Tiles(16, 32, 256, 4, 2, split_k=8),
+    Tiles(16, 32, 128, 4, 2, swap_ab=True, int4_dot="scaled"),
+    Tiles(16, 64, 64, 4, 2, int4_dot="scaled"),
+    Tiles(16, 32, 128, 4, 2, swap_ab=True, int4_dot="fp32"),
 ]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("tiles", TILE_VARIANTS, ids=lambda t: "x".join(str(int(v)) for v in t))
+@pytest.mark.parametrize("tiles", TILE_VARIANTS, ids=lambda t: "x".join(map(str, t)))
 @pytest.mark.parametrize("bits,group", [(4, 128), (4, 32), (8, 16)])
 def test_every_tile_variant(dtype, tiles, bits, group):
     gen = torch.Generator().manual_seed(tiles.block_n + bits + group)
@@ -142,11 +146,22 @@ def test_every_tile_variant(dtype, tiles, bits, group):
     assert rel_err(out.cpu(), x.float() @ (fp8.float() * scale[:, None]).T + bias.float()) < TOL[dtype]
 
 
-def test_one_row_tiles_refuse_more_rows():
+def test_tiles_refuse_what_they_cannot_run():
     x = torch.randn(2, 64)
     words = torch.zeros(8, 8, dtype=torch.int32)
     with pytest.raises(ValueError, match="block_m 1"):
         weight_only_matmul(x, words, torch.ones(8, 1), torch.zeros(8, 1), 4, 64, tiles=Tiles(1, 8, 64, 4, 2))
+    for int4_dot, block_k in [("scaled", 32), ("bf16", 64)]:  # pair planes need 64 columns; an unknown way
+        with pytest.raises(ValueError, match="int4_dot"):
+            weight_only_matmul(
+                x,
+                words,
+                torch.ones(8, 1),
+                torch.zeros(8, 1),
+                4,
+                64,
+                tiles=Tiles(16, 8, block_k, 4, 2, int4_dot=int4_dot),
+            )
 
 
 # Each one-row kernel: INT4 in integers (groups of 32 and more), the dequantizing GEMV (8-bit integers, INT4 in

@@ -28,15 +28,19 @@ def test_decode_kernel_compiles_for_sm90(int8):
         assert mix.get("PRMT", 0) > 0 and "I2F" not in mix
 
 
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 16, 64])
 def test_int4_matmul_compiles_for_sm90(rows):
-    """One INT4 row multiplies in integers (dp4a), 16 rows on the tensor cores (wgmma), neither spilling."""
+    """One INT4 row multiplies in integers (dp4a), 16 and 64 rows on the tensor cores (wgmma; 64 rows of gate|up
+    with the weights scaled in packed bf16 pairs by inline PTX), none spilling."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     args = [sys.executable, str(ROOT / "benchmarks" / "sm90_report.py"), "--quant", "int4", "--rows", str(rows)]
+    args += ["--shape", "28672", "4096"] * (rows == 64)
     out = subprocess.run(args + ["--json"], capture_output=True, text=True, env=env, check=True)
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["spilled_bytes"] == 0
     assert report["loop_mix"].get("IDP" if rows == 1 else "HGMMA", 0) > 0, report["loop_mix"]
+    if rows == 64:
+        assert report["loop_mix"].get("HFMA2", 0) > 0, report["loop_mix"]
 
 
 # Launches on CPU tensors compiled for sm_90 instead of run (the interpreter runs kernels that the compiler refuses:
