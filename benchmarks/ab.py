@@ -43,7 +43,8 @@ if throughput:
     out["output_tok_s"] = sum(len(o.outputs[0].token_ids) for o in outs) / (time.perf_counter() - start)
     del llm
     import gc, torch; gc.collect(); torch.cuda.empty_cache()
-llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=64, quantization=quantization, quiet=True)
+seqs = max(64, *batches)  # every decode batch asked for runs whole
+llm = LLM(path, load_format="dummy", max_model_len=4096, max_num_seqs=seqs, quantization=quantization, quiet=True)
 for batch in batches:
     out[f"b{batch}_tok_s"] = decode_rate(llm, batch, 128, 256)[0]
 print("RESULT " + json.dumps(out))
