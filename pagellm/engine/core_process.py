@@ -4,6 +4,7 @@ pipe and sends each step's outputs and its stats back through it. `EngineCorePro
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from dataclasses import replace
 from multiprocessing.connection import Connection
@@ -15,6 +16,35 @@ from pagellm.config import EngineConfig
 from pagellm.distributed.executor import die_with_parent
 
 STOP_TIMEOUT_S = 10.0
+
+
+class PipeSender:
+    """Sends messages down a connection from a thread of its own, in order, so that a caller (the server's event
+    loop) never waits for the other end to read: the engine's process reads between steps, and a message larger
+    than the pipe's buffer held its sender until then. Best effort: once the other end is gone, what follows is
+    dropped (the reader of the other direction reports the death)."""
+
+    def __init__(self, conn: Connection, name: str) -> None:
+        self._conn = conn
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, message: tuple) -> None:
+        self._outbox.put(message)
+
+    def close(self) -> None:
+        """Ends the thread once what is queued has gone (or been dropped); call it when the other end has read
+        what it will read or is gone, or it waits for that."""
+        self._outbox.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (message := self._outbox.get()) is not None:
+            try:
+                self._conn.send(message)
+            except OSError:
+                pass
 
 
 class EngineCoreProcess:
@@ -38,7 +68,7 @@ class EngineCoreProcess:
         )
         self.process.start()
         child_end.close()
-        self._send_lock = threading.Lock()  # requests and aborts come from the callers' threads
+        self._sender = PipeSender(self.conn, f"pagellm-core{index}-sender")
 
     def wait_ready(self) -> Any:
         """The engine's first stats, once it has started; raises if it failed or died first."""
@@ -54,12 +84,8 @@ class EngineCoreProcess:
         return payload
 
     def send(self, *message: Any) -> None:
-        """Best effort: a process that is gone takes no more messages, and its reader reports that it died."""
-        try:
-            with self._send_lock:
-                self.conn.send(message)
-        except OSError:
-            pass
+        """Queued, not waited for (`PipeSender`); a process that is gone takes no more messages."""
+        self._sender.send(message)
 
     def exit_code(self) -> int | None:
         self.process.join(timeout=1.0)
@@ -72,6 +98,7 @@ class EngineCoreProcess:
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
+        self._sender.close()
         self.conn.close()
 
 
