@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing
 import threading
 
+import pytest
+
 from pagellm.engine.core_process import PipeSender
 
 
@@ -28,3 +30,13 @@ def test_a_gone_reader_drops_messages_and_close_returns():
     sender.send(("add", b"x" * (16 << 20)))
     sender.send(("abort", "r1"))
     sender.close()  # the thread saw the broken pipe, dropped both and ended
+
+
+def test_a_message_that_cannot_be_pickled_fails_in_the_caller():
+    ours, theirs = multiprocessing.Pipe()
+    sender = PipeSender(ours, "test-sender")
+    with pytest.raises(Exception, match="pickle"):
+        sender.send(("add", lambda: None))
+    sender.send(("abort", "r1"))  # the thread still sends what follows
+    assert theirs.recv() == ("abort", "r1")
+    sender.close()

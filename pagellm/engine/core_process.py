@@ -8,6 +8,7 @@ import queue
 import threading
 from dataclasses import replace
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -21,17 +22,18 @@ STOP_TIMEOUT_S = 10.0
 class PipeSender:
     """Sends messages down a connection from a thread of its own, in order, so that a caller (the server's event
     loop) never waits for the other end to read: the engine's process reads between steps, and a message larger
-    than the pipe's buffer held its sender until then. Best effort: once the other end is gone, what follows is
-    dropped (the reader of the other direction reports the death)."""
+    than the pipe's buffer held its sender until then. The caller pickles (as `Connection.send` does, so that
+    `recv` reads it), so a message that cannot be pickled fails there and not in the thread. Best effort: once
+    the other end is gone, what follows is dropped (the reader of the other direction reports the death)."""
 
     def __init__(self, conn: Connection, name: str) -> None:
         self._conn = conn
-        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._outbox: queue.SimpleQueue[bytes | memoryview | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def send(self, message: tuple) -> None:
-        self._outbox.put(message)
+        self._outbox.put(ForkingPickler.dumps(message))
 
     def close(self) -> None:
         """Ends the thread once what is queued has gone (or been dropped); call it when the other end has read
@@ -40,9 +42,9 @@ class PipeSender:
         self._thread.join()
 
     def _run(self) -> None:
-        while (message := self._outbox.get()) is not None:
+        while (payload := self._outbox.get()) is not None:
             try:
-                self._conn.send(message)
+                self._conn.send_bytes(payload)
             except OSError:
                 pass
 
