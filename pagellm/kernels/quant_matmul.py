@@ -135,20 +135,39 @@ def _biased_int4_dot(
     unpacked tile would go through shared memory; and the two values of a 32-bit register come from one word,
     (word >> 4q) & 0x000F000F | BASE_BITS x 0x10001 making both."""
     words = _load_words(w_ptr, rows, k0, N, k_words, stride_w, 4, BLOCK_K)
-    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
     if BLOCK_K >= 64:
         planes = _x_pair_planes(x, BLOCK_K // 8)
         part = tl.zeros([rows.shape[0], x.shape[0]] if SWAP_AB else [x.shape[0], rows.shape[0]], tl.float32)
         for q in tl.static_range(4):
-            pair = ((words >> (4 * q)) & 0x000F000F) | (BASE_BITS * 0x10001)
-            lo = pair.to(tl.int16).to(x.dtype, bitcast=True)
-            hi = (pair >> 16).to(tl.int16).to(x.dtype, bitcast=True)
-            w = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K // 4))
-            part = tl.dot(w, tl.trans(planes[q]), part) if SWAP_AB else tl.dot(planes[q], tl.trans(w), part)
+            part = _weight_dot(_pair_tile(_biased_pairs(words, q, BASE), x.dtype, BLOCK_K), planes[q], part, SWAP_AB)
     else:
+        BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
         w = (_unpack_ints(words, 4) | BASE_BITS).to(tl.int16).to(x.dtype, bitcast=True)
-        part = tl.dot(w, tl.trans(x)) if SWAP_AB else tl.dot(x, tl.trans(w))
+        part = _weight_dot(w, x, None, SWAP_AB)
     return part
+
+
+@triton.jit
+def _biased_pairs(words, q, BASE: tl.constexpr):
+    """Values q and q + 4 of each INT4 word as BASE + value, two 16-bit floats in one int32 (low half: value q)."""
+    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
+    return ((words >> (4 * q)) & 0x000F000F) | (BASE_BITS * 0x10001)
+
+
+@triton.jit
+def _pair_tile(pairs, dtype: tl.constexpr, BLOCK_K: tl.constexpr):
+    """int32 [rows, BLOCK_K / 8] of two 16-bit floats each -> [rows, BLOCK_K / 4] of dtype, each word's halves
+    side by side (a pair plane's columns 2j and 2j + 1)."""
+    lo = pairs.to(tl.int16).to(dtype, bitcast=True)
+    hi = (pairs >> 16).to(tl.int16).to(dtype, bitcast=True)
+    return tl.reshape(tl.join(lo, hi), (pairs.shape[0], BLOCK_K // 4))
+
+
+@triton.jit
+def _weight_dot(w, x, acc, SWAP_AB: tl.constexpr):
+    """acc + w [BLOCK_N, K] . x [M, K]^T as [BLOCK_N, M] (SWAP_AB: w is the dot's first operand) or [M, BLOCK_N];
+    acc None starts from zero."""
+    return tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
 
 
 @triton.jit
@@ -213,16 +232,12 @@ def _scaled_int4_dot(
     BASE + q costs BLOCK_N * BLOCK_M, and packed in pairs (`_scaled_pair`) a value takes about two instructions
     where dequantizing it through fp32 takes five."""
     words = _load_words(w_ptr, rows, k0, N, k_words, stride_w, 4, BLOCK_K)
-    BASE_BITS: tl.constexpr = 0x4300 if BASE == 128 else 0x6400
     planes = _x_pair_planes(x, BLOCK_K // 8)
     scale2 = tl.broadcast_to(_pair_bits(scale, BASE)[:, None], words.shape)
     offset2 = tl.broadcast_to(_pair_bits(offset, BASE)[:, None], words.shape)
     for q in tl.static_range(4):
-        pair = _scaled_pair(((words >> (4 * q)) & 0x000F000F) | (BASE_BITS * 0x10001), scale2, offset2, BASE, ASM)
-        lo = pair.to(tl.int16).to(x.dtype, bitcast=True)
-        hi = (pair >> 16).to(tl.int16).to(x.dtype, bitcast=True)
-        w = tl.reshape(tl.join(lo, hi), (rows.shape[0], BLOCK_K // 4))
-        acc = tl.dot(w, tl.trans(planes[q]), acc) if SWAP_AB else tl.dot(planes[q], tl.trans(w), acc)
+        pairs = _scaled_pair(_biased_pairs(words, q, BASE), scale2, offset2, BASE, ASM)
+        acc = _weight_dot(_pair_tile(pairs, x.dtype, BLOCK_K), planes[q], acc, SWAP_AB)
     return acc
 
 
@@ -487,7 +502,7 @@ def _tile_matmul_kernel(
                 w_ptr, scale_ptr, offset_ptr, rows, k0, N, K, k_words, stride_w, stride_s, FP8, BITS, GROUP, BLOCK_N,
                 BLOCK_K,
             ).to(x.dtype)  # fmt: skip
-            acc = tl.dot(w, tl.trans(x), acc) if SWAP_AB else tl.dot(x, tl.trans(w), acc)
+            acc = _weight_dot(w, x, acc, SWAP_AB)
     out = tl.trans(acc) if SWAP_AB else acc  # [BLOCK_M, BLOCK_N]
     if FP8:
         out *= tl.load(scale_ptr + rows, mask=r_mask, other=0.0)[None, :]
