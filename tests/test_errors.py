@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pagellm import LLM, SamplingParams
+from tests.conftest import hf_greedy
 
 
 @pytest.mark.parametrize(
@@ -90,22 +92,26 @@ def test_abort_frees_blocks(tiny_llama_dir):
     assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
-def test_an_id_reused_while_its_aborted_request_is_in_flight_is_refused(tiny_llama_dir):
-    """Asynchronous scheduling keeps a step in flight: its rows would be applied to the new request of that id."""
+def test_an_id_reused_while_its_aborted_request_is_in_flight_serves_the_new_request(tiny_llama_dir):
+    """Asynchronous scheduling keeps a step in flight: its row of the aborted request must not reach the new request
+    of that id, which generates what HF transformers does for its own prompt."""
+    from transformers import AutoModelForCausalLM
+
     engine = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True).engine
-    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     engine.add_request([1, 2, 3], params, "x")
     for _ in range(3):
         engine.step()
+    assert engine.has_unfinished()  # a look-ahead step of "x" is in flight
     engine.abort("x")
-    with pytest.raises(ValueError, match="request_id='x' is still in use"):
-        engine.add_request([4, 5, 6], params, "x")
-    engine.step()  # the step in flight comes back: the id is free
     engine.add_request([4, 5, 6], params, "x")
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
-    assert len(outs[-1].outputs[0].token_ids) == 50 and engine.stats().num_free_blocks == engine.stats().num_blocks
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    assert [o.request_id for o in outs if o.finished] == ["x"]
+    assert outs[-1].prompt_token_ids == [4, 5, 6] and outs[-1].outputs[0].token_ids == hf_greedy(hf, [4, 5, 6], 20)
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
 
 
 @pytest.mark.parametrize("model", ["/no/such/dir", "no-such-model.gguf", "not a hub id"])

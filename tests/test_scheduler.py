@@ -154,6 +154,18 @@ def test_abort_mid_flight_drops_the_rows_and_frees_blocks():
     assert not sched.has_unfinished() and sched.stats().num_free_blocks == 64
 
 
+def test_a_reused_id_gets_nothing_of_the_aborted_requests_step_in_flight():
+    sched = make_scheduler()
+    add(sched, "a", 5)
+    step = sched.schedule()
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # while the step is in flight
+    again = add(sched, "a", 3)
+    assert sched.update_from_output(step, answer(step)) == []
+    assert (again.output_token_ids, again.num_pending_tokens, again.status) == ([], 0, RequestStatus.WAITING)
+    step, updates = run_step(sched, token=9)
+    assert scheduled(step) == {"a": 3} and again.output_token_ids == [9]
+
+
 def test_prefix_hits_counted_once_per_request():
     sched = make_scheduler(num_blocks=6, budget=64)
     add(sched, "a", 12, first_token=0)

@@ -4,6 +4,7 @@ logprobs, metrics) lives in `engine/output_processor.py`; nothing else keeps per
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass, field
 
 from pagellm.sampling_params import SamplingParams
@@ -38,6 +39,9 @@ class Request:
     num_registered_blocks: int = 0  # leading full blocks already offered to the prefix cache
     num_pending_tokens: int = 0  # sampled by a step still in flight, not yet in output_token_ids
     first_scheduled_time: float | None = None
+    # Unique to this object: tells its step rows from those of an earlier request of the same id (aborted, its
+    # step still in flight, the id reused).
+    serial: int = field(default_factory=itertools.count().__next__, init=False)
 
     @property
     def all_token_ids(self) -> list[int]:

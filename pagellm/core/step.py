@@ -50,6 +50,7 @@ class StepRow:
     block_ids: list[int]
     sampling: SamplingRow | None = None  # set when the logits of the row's last token are sampled this step
     prompt_scoring: PromptScoring | None = None
+    request_serial: int = -1  # the `Request.serial` of the request it was made for (none: -1, warm-up rows)
 
     @property
     def input_pending(self) -> bool:
@@ -111,7 +112,7 @@ def make_row(request: Request, num_tokens: int) -> StepRow:
         token_ids = [request.token_at(start)] if start < request.num_tokens else []
     else:
         token_ids = request.token_slice(start, end)
-    row = StepRow(request.request_id, start, num_tokens, token_ids, request.block_ids)
+    row = StepRow(request.request_id, start, num_tokens, token_ids, request.block_ids, request_serial=request.serial)
     if end == request.num_tokens + request.num_pending_tokens:  # caught up: the last position's logits sample
         row.sampling = SamplingRow(
             request.sampling_params,

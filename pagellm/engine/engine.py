@@ -95,16 +95,7 @@ class Engine(ModelFrontend):
         request_id = request_id or str(next(self._ids))
         if self.output_processor.has_request(request_id):
             raise InvalidParameter("request_id", f"request_id={request_id!r} is already in use")
-        processed = self.input_processor.process(prompt, params, request_id)
-        if self._in_flight is not None:  # its rows are matched to requests by id when its tokens come back
-            in_flight = {row.request_id for row in self._in_flight.step.rows}
-            if any(sample.request_id in in_flight for sample in processed.samples):
-                raise InvalidParameter(
-                    "request_id",
-                    f"request_id={request_id!r} is still in use: a step of the request that ended under it is in "
-                    "flight; use another id, or add it after the next step",
-                )
-        self.enqueue(processed)
+        self.enqueue(self.input_processor.process(prompt, params, request_id))
         return request_id
 
     def enqueue(self, processed: ProcessedRequest) -> None:

@@ -158,11 +158,12 @@ class Scheduler:
     def update_from_output(self, step: SchedulerOutput, result: RunnerOutput) -> list[RequestUpdate]:
         """Apply a finished step: append each sampled token, stop requests on a stop token (after min_tokens) or
         at max_tokens, cache the full blocks, free the finished. One update per request that got a token or
-        prompt logprobs; rows of requests finished while the step was in flight are dropped."""
+        prompt logprobs; rows of requests finished while the step was in flight are dropped (also when a new
+        request took the id meanwhile)."""
         updates = []
         for row in step.rows:
             request = self.requests.get(row.request_id)
-            if request is None:  # stopped or aborted while this step was in flight
+            if request is None or request.serial != row.request_serial:  # finished while this step was in flight
                 continue
             sampled = result.sampled.get(row.request_id)
             if sampled is not None:
