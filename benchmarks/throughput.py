@@ -1,7 +1,8 @@
 """Offline throughput on the GPU, the standard workload: N requests with input and output lengths uniform in
 [100, 1024], random token ids, EOS ignored, dummy weights. HF transformers `generate` runs the same prompts in the
 same process as the peer (on the first --hf-requests of them, batched with left padding). Several KV-cache dtypes or
-weight formats run one after the other in the same process, each a row of one results file (same-run ratios).
+weight formats run one after the other in the same process, each a row of one results file (same-run ratios), with
+the hardware's bound on the workload (benchmarks/roofline.py, the H200's figures) and the share of it reached.
 
     python benchmarks/throughput.py --models Qwen3-0.6B Llama-3.1-8B
     python benchmarks/throughput.py --models Llama-3.1-8B --quantization none fp8 awq --hf-requests 0
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
 from benchmarks.models import SHAPES, model_dir  # noqa: E402
+from benchmarks.roofline import standard_workload_bound  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 
 
@@ -117,6 +119,10 @@ def main() -> None:
                 quantization=None if quantization == "none" else quantization,
             )
         )
+        if name in SHAPES:  # a named shape (not a directory of the caller's)
+            bound = standard_workload_bound(SHAPES[name], list(map(len, prompts)), out_lens, quantization, kv_dtype)
+            row["bound_tok_s"] = bound["bound_tok_s"]
+            row["%_of_bound"] = 100 * row["output_tok_s"] / bound["bound_tok_s"]
         if args.hf_requests and quantization == "none" and kv_dtype == "auto":  # HF runs bf16 weights only
             row.update(run_hf(name, prompts[: args.hf_requests], out_lens[: args.hf_requests], args.hf_batch))
             row["speedup_vs_hf"] = row["output_tok_s"] / row["hf_output_tok_s"]
@@ -128,6 +134,8 @@ def main() -> None:
         "kv_cache_dtype",
         "quantization",
         "output_tok_s",
+        "bound_tok_s",
+        "%_of_bound",
         "total_tok_s",
         "elapsed_s",
         "preemptions",

@@ -1,0 +1,36 @@
+"""benchmarks/roofline.py's closed-form sums against a walk over every token of a small workload."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks.roofline import KV_BYTES, WEIGHT_BYTES, standard_workload_bound
+from tests.conftest import TINY_SHAPES
+
+
+@pytest.mark.parametrize("quantization,kv_dtype", [("none", "auto"), ("awq", "int8"), ("fp8", "auto")])
+def test_the_bound_counts_each_tokens_bytes_and_flops(quantization, kv_dtype):
+    in_lens, out_lens = [3, 5, 1], [4, 1, 2]
+    bandwidth, flops = 1e9, 1e12
+    h, inter, vocab, layers = 64, 128, 512, 2  # TINY_SHAPES
+    q_heads, kv_heads, head_dim = 4, 2, 16
+    linear = layers * (2 * h * q_heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter)  # q o, k v, mlp
+    kv_token = layers * 2 * kv_heads * head_dim * KV_BYTES[kv_dtype]
+    kv_bytes = matmul = attention = 0.0
+    for prompt, outputs in zip(in_lens, out_lens):
+        for position in range(prompt + outputs - 1):  # every fed token attends the positions up to its own
+            matmul += 2 * linear
+            attention += 4 * layers * q_heads * head_dim * (position + 1)
+            if position >= prompt:  # a decode token reads its context from the cache
+                kv_bytes += kv_token * (position + 1)
+        matmul += 2 * vocab * h * outputs  # the LM head, once per sampled token
+    steps = max(out_lens)  # every request admitted at once
+    weight_bytes = steps * (linear * WEIGHT_BYTES[quantization] + vocab * h * 2)
+    matmul_rate = flops * (2 if quantization == "fp8" else 1)
+
+    bound = standard_workload_bound(TINY_SHAPES, in_lens, out_lens, quantization, kv_dtype, bandwidth, flops)
+
+    assert bound["memory_s"] == pytest.approx((weight_bytes + kv_bytes) / bandwidth)
+    assert bound["compute_s"] == pytest.approx(matmul / matmul_rate + attention / flops)
+    assert bound["bound_s"] == max(bound["memory_s"], bound["compute_s"])
+    assert bound["bound_tok_s"] == pytest.approx(sum(out_lens) / bound["bound_s"])
