@@ -12,8 +12,12 @@ from tests.conftest import TINY_SHAPES
 def test_the_bound_counts_each_tokens_bytes_and_flops(quantization, kv_dtype):
     in_lens, out_lens = [3, 5, 1], [4, 1, 2]
     bandwidth, flops = 1e9, 1e12
-    h, inter, vocab, layers = 64, 128, 512, 2  # TINY_SHAPES
-    q_heads, kv_heads, head_dim = 4, 2, 16
+    shape = TINY_SHAPES
+    h, inter, vocab, layers = (
+        shape[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "num_hidden_layers")
+    )
+    q_heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = h // q_heads
     linear = layers * (2 * h * q_heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter)  # q o, k v, mlp
     kv_token = layers * 2 * kv_heads * head_dim * KV_BYTES[kv_dtype]
     kv_bytes = matmul = attention = 0.0
