@@ -18,7 +18,8 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 # more runs on pair-plane dots: 1.4-2.5x dequantize + cuBLAS at 64 rows, quant-kernels-int4-h100-2026-12-06).
 # Past 64 rows only the widest INT4 weights (gate|up) still gain on the H200: 0.098 against 0.173 ms at 128 rows,
 # 0.180 against 0.194 at 256 (lost at 512); the others lose from 128 or 256 rows on
-# (quant-kernels-int4-many-rows-2026-12-06).
+# (quant-kernels-int4-many-rows-2026-12-06). Other integer weights: dequantize + cuBLAS was the faster at 64 rows
+# on three of Llama-3.1-8B's four shapes (H200 sweep of 2026-12-03).
 GROUPED_FUSED_ROWS = 16
 INT4_FUSED_ROWS = 64
 WIDE_INT4_FUSED_ROWS = 256
@@ -229,8 +230,7 @@ class TritonOps(_Composed):
     def grouped_linear(self, x, qweight, scales, offsets, bits, group_size, bias=None):
         """Up to GROUPED_FUSED_ROWS rows (INT4_FUSED_ROWS for INT4 in groups of 64 or more, WIDE_INT4_FUSED_ROWS
         for the widest of those weights) dequantize in the matmul's loop; more rows dequantize once and use cuBLAS
-        (for the others at 64 rows the faster on three of Llama-3.1-8B's four shapes, H200 sweep of
-        2026-12-03)."""
+        (the sweeps behind each bound: the comment above them)."""
         int4_dots = bits == 4 and group_size % 64 == 0
         if not int4_dots:
             fused_rows = GROUPED_FUSED_ROWS

@@ -584,7 +584,7 @@ def matmul_tiles(m: int, fp8: bool, bits: int = 4, group_size: int = 128, n: int
     2-64 rows quant-kernels-int4-h100-2026-12-06): narrow row tiles or split columns, so even N = 4,096 spreads over
     every SM. One row of INT4 also by the weight's shape [n, k], as the best per shape on both the H200 and the H100
     (ab-int4-one-row-2026-12-06): narrower tiles for the widest weight (gate|up), 8 warps for the longest rows
-    (down_proj). INT4 at 17-256 rows scales the weights before the dot, the best per shape on the H200
+    (down_proj). INT4 past 16 rows scales the weights before the dot, the best per shape on the H200
     (quant-kernels-int4-many-rows-2026-12-06: 12-18% faster than the scaled sums at 64 rows)."""
     if m == 1 and fp8:
         return Tiles(1, 8, 1024, 4, 2)
