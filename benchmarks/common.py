@@ -14,6 +14,21 @@ import torch
 
 RESULTS = Path(__file__).parent / "results"
 
+# What this project's device machines measured (the device tool's KINDS.md): the device-to-device copy rate, bytes
+# read and written per second, and an 8192^3 bf16 matmul on random data, FLOP/s. The H100's datasheet says 3.35 TB/s;
+# 3.0 is what copying reached.
+MEASURED_LIMITS = {"H200": (4.3e12, 790e12), "H100": (3.0e12, 790e12)}
+
+
+def measured_limits() -> tuple[float, float]:
+    """(bandwidth, bf16 FLOP/s) measured on this process's GPU (the H200's without one: roofline.py's arithmetic).
+    A benchmark on a GPU not measured here is given them on its command line."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "H200"
+    kind = next((kind for kind in MEASURED_LIMITS if kind in name), None)
+    if kind is None:
+        raise SystemExit(f"no measured limits for {name!r} (measured: {', '.join(MEASURED_LIMITS)}): pass them")
+    return MEASURED_LIMITS[kind]
+
 
 def _commit() -> str:
     """The measured code's commit: PAGELLM_COMMIT where the tree travels without its .git (the device tool)."""

@@ -3,7 +3,7 @@ unpaged K/V and against the bytes it must move / HBM bandwidth; fused add+RMSNor
 bandwidth; the one-row GEMV against cuBLAS (F.linear) and the sampling kernels against torch, both also against
 bandwidth.
 
-    python benchmarks/kernel_bench.py [--bandwidth 4.3e12]
+    python benchmarks/kernel_bench.py [--bandwidth BYTES_PER_S]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
 from pagellm.kernels.kv_write import rope_and_write_kv  # noqa: E402
@@ -169,8 +169,9 @@ def sampling_rows(bandwidth: float) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="measured copy bandwidth, bytes/s")
+    parser.add_argument("--bandwidth", type=float, help="copy bandwidth, bytes/s (default: measured_limits)")
     args = parser.parse_args()
+    args.bandwidth = args.bandwidth or measured_limits()[0]
     rows = [
         decode_row(b, c, int8, args.bandwidth)
         for b, c in ((64, 4096), (1, 32768), (16, 16384), (1, 16384))

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from benchmarks.models import model_dir  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
 
@@ -101,11 +101,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--models", nargs="+", default=["Qwen3-0.6B", "Llama-3.1-8B"])
     parser.add_argument("--quantization", nargs="+", default=["none"], help="none, fp8, awq, gptq")
-    parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    parser.add_argument("--bandwidth", type=float, help="bytes/s of the limit (default: measured_limits)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--skip-cold-start", action="store_true")
     parser.add_argument("--peer", type=Path, default=None, help="vllm_quant_latency.py's JSON of the same run")
     args = parser.parse_args()
+    bandwidth = args.bandwidth or measured_limits()[0]
     rows = []
     for name in args.models:
         path = model_dir(name)
@@ -128,7 +129,7 @@ def main() -> None:
             b1, ttft = decode_rate(llm, 1, 128, args.new_tokens)
             b16, ttft16 = decode_rate(llm, 16, 128, args.new_tokens)
             held = held_weight_bytes(llm)
-            limit = args.bandwidth / held
+            limit = bandwidth / held
             rows.append(
                 {
                     "model": name,

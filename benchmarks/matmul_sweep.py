@@ -7,7 +7,7 @@ configuration's output is checked against torch first. Each timing runs through 
 Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache
 before the timing, which then runs alone on the GPU.
 
-    python benchmarks/matmul_sweep.py [--bandwidth 4.3e12] [--workers 12] [--rep 40]
+    python benchmarks/matmul_sweep.py [--bandwidth BYTES_PER_S] [--workers 12] [--rep 40]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from pagellm.kernels.gemv import Tiles, few_rows_matmul, few_rows_tiles, gemv  # noqa: E402
 
 # (N, K) of q|k|v, o, gate|up, down and the LM head.
@@ -68,11 +68,12 @@ def time_ms(fn, weights: list[torch.Tensor], rep: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    parser.add_argument("--bandwidth", type=float, help="bytes/s (default: measured_limits)")
     parser.add_argument("--workers", type=int, default=12, help="compiling processes")
     parser.add_argument("--rep", type=int, default=40, help="ms of timing per configuration")
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), metavar="SHAPE")
     args = parser.parse_args()
+    args.bandwidth = args.bandwidth or measured_limits()[0]
     shapes = {name: SHAPES[name] for name in args.shapes}
     started = time.time()
     ctx = torch.multiprocessing.get_context("spawn")

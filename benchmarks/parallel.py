@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from benchmarks.models import SHAPES, weight_bytes  # noqa: E402
 
 SHAPES.setdefault(
@@ -36,7 +36,6 @@ SHAPES.setdefault(
         "num_key_value_heads": 8,
     },
 )
-BANDWIDTH = 4.3e12  # bytes/s one H200 copies
 
 CHILD = """
 import json, sys, time
@@ -82,6 +81,7 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=["Llama-3.1-8B:1", "Llama-3.1-8B:2"], help="MODEL:TP")
     parser.add_argument("--no-throughput", action="store_true")
     args = parser.parse_args()
+    bandwidth = measured_limits()[0]  # of one GPU
     rows = []
     for config in args.configs:
         name, tp, dp = (config.split(":") + ["1"])[:3]
@@ -89,7 +89,7 @@ def main() -> None:
         result = measure(name, tp, dp, not args.no_throughput)
         row = {"model": name, "tp": tp, "dp": dp, **result}
         if "b1_tok_s" in result:
-            limit = BANDWIDTH * tp / weight_bytes(name)  # batch-1 tokens/s if every rank streamed its weights
+            limit = bandwidth * tp / weight_bytes(name)  # batch-1 tokens/s if every rank streamed its weights
             row |= {"b1_limit_tok_s": limit, "b1_of_limit": result["b1_tok_s"] / limit}
         rows.append(row)
         print(row, flush=True)

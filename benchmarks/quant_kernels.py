@@ -12,7 +12,7 @@ tiles (block_m 16) beside the integer GEMV.
 Triton compiles each configuration once; `--workers` processes compile them in parallel into Triton's cache
 before the timing, which then runs alone on the GPU.
 
-    python benchmarks/quant_kernels.py [--bandwidth 4.3e12] [--quick] [--workers 12] [--rows 16] [--formats int4]
+    python benchmarks/quant_kernels.py [--bandwidth BYTES_PER_S] [--quick] [--workers 12] [--rows 16] [--formats int4]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from benchmarks.kernel_bench import bench_ms  # noqa: E402
 from pagellm.kernels import reference  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
@@ -123,7 +123,7 @@ def baselines(fmt: str, m: int, x, w, scales, offsets, dense, rep: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bandwidth", type=float, default=4.3e12)
+    parser.add_argument("--bandwidth", type=float, help="bytes/s (default: measured_limits)")
     parser.add_argument("--quick", action="store_true", help="every 5th configuration only")
     parser.add_argument("--workers", type=int, default=12, help="compiling processes")
     parser.add_argument("--rep", type=int, default=40, help="ms of timing per configuration")
@@ -131,6 +131,7 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--name", default="quant-kernels", help="results file name (before the date)")
     args = parser.parse_args()
+    args.bandwidth = args.bandwidth or measured_limits()[0]
     plan = {(fmt, m): tile_grid(fmt, m)[:: 5 if args.quick else 1] for fmt in args.formats for m in args.rows}
     # One compile per binary: the row count is no constexpr, so each (format, tiles) compiles once for every m.
     jobs = list({(fmt, t): (fmt, m, t) for (fmt, m), grid in plan.items() for t in grid}.values())

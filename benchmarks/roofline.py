@@ -6,8 +6,8 @@ than the larger of the bytes it must move over HBM's bandwidth and the FLOPs it 
 - FLOPs: every prompt and output token's matmuls (the LM head only where a token is sampled) and attention.
 
 Left out, so that it stays a bound: KV writes, activations, sampling, and any step that cannot overlap its bytes with
-its FLOPs. Defaults are the H200's measured 4.3 TB/s copy bandwidth and 790 TFLOP/s bf16; FP8 weights (W8A8) run
-their matmuls at twice that.
+its FLOPs. The rates are what the GPU in use measured (`common.measured_limits`: the H200's 4.3 TB/s copy bandwidth
+and 790 TFLOP/s bf16 where there is none); FP8 weights (W8A8) run their matmuls at twice that.
 
     python benchmarks/roofline.py    # the bound for the benchmark models, weight formats and KV dtypes
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from benchmarks.models import SHAPES  # noqa: E402
 
 # Stored bytes per weight of the quantized linears: AWQ/GPTQ add an fp16 scale and offset per group of 128.
@@ -34,10 +34,10 @@ def standard_workload_bound(
     shape: dict,
     in_lens: list[int],
     out_lens: list[int],
-    quantization: str = "none",
-    kv_cache_dtype: str = "auto",
-    bandwidth: float = 4.3e12,
-    flops: float = 790e12,
+    quantization: str,
+    kv_cache_dtype: str,
+    bandwidth: float,
+    flops: float,
 ) -> dict[str, float]:
     """Seconds the workload needs at least (`bound_s`), its parts, and the output tokens/s that bound allows."""
     h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
@@ -75,16 +75,16 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--quantization", nargs="+", default=["none", "fp8", "awq"])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "int8"])
-    parser.add_argument("--bandwidth", type=float, default=4.3e12, help="bytes/s")
-    parser.add_argument("--flops", type=float, default=790e12, help="bf16 FLOP/s")
+    parser.add_argument("--bandwidth", type=float, help="bytes/s (default: measured_limits)")
+    parser.add_argument("--flops", type=float, help="bf16 FLOP/s (default: measured_limits)")
     args = parser.parse_args()
+    bandwidth = args.bandwidth or measured_limits()[0]
+    flops = args.flops or measured_limits()[1]
     prompts, out_lens = workload(args.num_requests)
     in_lens = [len(p) for p in prompts]
     rows = []
     for name, quantization, kv_dtype in itertools.product(args.models, args.quantization, args.kv_cache_dtype):
-        bound = standard_workload_bound(
-            SHAPES[name], in_lens, out_lens, quantization, kv_dtype, args.bandwidth, args.flops
-        )
+        bound = standard_workload_bound(SHAPES[name], in_lens, out_lens, quantization, kv_dtype, bandwidth, flops)
         rows.append({"model": name, "quantization": quantization, "kv_cache_dtype": kv_dtype, **bound})
     columns = ["model", "quantization", "kv_cache_dtype", "bound_tok_s", "bound_s", "memory_s", "compute_s"]
     columns += ["weight_tb", "kv_tb"]
@@ -93,8 +93,8 @@ def main() -> None:
         "roofline",
         {
             "environment": environment(),
-            "bandwidth": args.bandwidth,
-            "flops": args.flops,
+            "bandwidth": bandwidth,
+            "flops": flops,
             "requests": args.num_requests,
             "rows": rows,
         },

@@ -2,7 +2,8 @@
 [100, 1024], random token ids, EOS ignored, dummy weights. HF transformers `generate` runs the same prompts in the
 same process as the peer (on the first --hf-requests of them, batched with left padding). Several KV-cache dtypes or
 weight formats run one after the other in the same process, each a row of one results file (same-run ratios), with
-the hardware's bound on the workload (benchmarks/roofline.py, the H200's figures) and the share of it reached.
+the hardware's bound on the workload (benchmarks/roofline.py, at the GPU's measured rates) and the share of it
+reached.
 
     python benchmarks/throughput.py --models Qwen3-0.6B Llama-3.1-8B
     python benchmarks/throughput.py --models Llama-3.1-8B --quantization none fp8 awq --hf-requests 0
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
 from benchmarks.models import SHAPES, model_dir  # noqa: E402
 from benchmarks.roofline import standard_workload_bound  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
@@ -103,7 +104,11 @@ def main() -> None:
     parser.add_argument(
         "--quantization", nargs="+", default=["none"], help="none, fp8, awq or gptq (dummy weights): a row each"
     )
+    parser.add_argument("--bandwidth", type=float, help="bytes/s of the bound (default: measured_limits)")
+    parser.add_argument("--flops", type=float, help="bf16 FLOP/s of the bound (default: measured_limits)")
     args = parser.parse_args()
+    bandwidth = args.bandwidth or measured_limits()[0]
+    flops = args.flops or measured_limits()[1]
     prompts, out_lens = workload(args.num_requests)
     rows = []
     for name, kv_dtype, quantization in itertools.product(args.models, args.kv_cache_dtype, args.quantization):
@@ -120,7 +125,8 @@ def main() -> None:
             )
         )
         if name in SHAPES:  # a named shape (not a directory of the caller's)
-            bound = standard_workload_bound(SHAPES[name], list(map(len, prompts)), out_lens, quantization, kv_dtype)
+            in_lens = list(map(len, prompts))
+            bound = standard_workload_bound(SHAPES[name], in_lens, out_lens, quantization, kv_dtype, bandwidth, flops)
             row["bound_tok_s"] = bound["bound_tok_s"]
             row["%_of_bound"] = 100 * row["output_tok_s"] / bound["bound_tok_s"]
         if args.hf_requests and quantization == "none" and kv_dtype == "auto":  # HF runs bf16 weights only
@@ -151,6 +157,8 @@ def main() -> None:
             "environment": environment(),
             "rows": rows,
             "workload": "input/output uniform [100, 1024], random ids, ignore_eos, temperature 0.8, top_p 0.95",
+            "bound_bandwidth": bandwidth,
+            "bound_flops": flops,
         },
         table,
     )

@@ -1,9 +1,12 @@
-"""benchmarks/roofline.py's closed-form sums against a walk over every token of a small workload."""
+"""benchmarks/roofline.py's closed-form sums against a walk over every token of a small workload, and the measured
+limits the benchmarks divide by."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
+from benchmarks.common import MEASURED_LIMITS, measured_limits
 from benchmarks.roofline import KV_BYTES, WEIGHT_BYTES, standard_workload_bound
 from tests.conftest import TINY_SHAPES
 
@@ -38,3 +41,14 @@ def test_the_bound_counts_each_tokens_bytes_and_flops(quantization, kv_dtype):
     assert bound["compute_s"] == pytest.approx(matmul / matmul_rate + attention / flops)
     assert bound["bound_s"] == max(bound["memory_s"], bound["compute_s"])
     assert bound["bound_tok_s"] == pytest.approx(sum(out_lens) / bound["bound_s"])
+
+
+def test_the_limits_are_those_measured_on_the_gpu_in_use(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert measured_limits() == MEASURED_LIMITS["H200"]  # the roofline's arithmetic, with no GPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
+    assert measured_limits() == (3.0e12, 790e12)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SystemExit, match="A100.*pass them"):
+        measured_limits()
