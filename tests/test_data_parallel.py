@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -30,6 +31,22 @@ def test_dp2_spreads_requests_and_equals_one_engine(tiny_llama_dir):
     finally:
         llm.shutdown()
     assert all(not r.process.is_alive() for r in llm.engine.cores)
+
+
+def test_generate_waits_for_outputs_still_on_their_way(tiny_llama_dir, monkeypatch):
+    """A replica's reader thread takes a finished request off the table and queues its output for `step`: the
+    caller's loop, asking in between whether anything is unfinished, must not stop short (it returned None for
+    such a request). Each report is queued late here, so that the loop asks inside that window every time."""
+    one = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True).generate(PROMPTS, GREEDY, use_tqdm=False)
+    llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", quiet=True, data_parallel_size=2)
+    try:
+        reports = llm.engine._reports
+        put = reports.put
+        monkeypatch.setattr(reports, "put", lambda report: time.sleep(0.02) or put(report))
+        two = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in two] == [o.outputs[0].token_ids for o in one]
+    finally:
+        llm.shutdown()
 
 
 def test_tensor_parallel_replicas_equal_one_engine(tiny_llama_dir):

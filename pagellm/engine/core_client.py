@@ -75,8 +75,8 @@ class EngineCoreClient(ModelFrontend):
         super().__init__(config)
         self.startup_seconds: dict[str, float] = {}
         check_data_parallel(config)
-        self._reports: queue.Queue = queue.Queue()
-        self._on_outputs = on_outputs or (lambda outputs, stats, reports=self._reports: reports.put(outputs))
+        self._reports: queue.Queue = queue.Queue()  # what `step` returns, without `on_outputs`
+        self._on_outputs = on_outputs
         self._on_death = on_death or self._reports.put  # a string: `step` raises it
         self._lock = threading.Lock()  # the callers' threads and the reader threads share the request table
         self._requests: dict[str, _Tracked] = {}
@@ -136,7 +136,9 @@ class EngineCoreClient(ModelFrontend):
         self.cores[tracked.core].send("abort", tracked.wire_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self._requests)
+        """Requests unfinished, or finished with outputs (or a death) that `step` has yet to hand on."""
+        with self._lock:
+            return bool(self._requests) or not self._reports.empty()
 
     # ---- outputs back ---------------------------------------------------------------------------------------
 
@@ -153,8 +155,13 @@ class EngineCoreClient(ModelFrontend):
             self._on_death(f"{core.name} failed: {payload[0]}")
             return False
         try:
-            outputs = self._collect(core.index, *payload)
-            self._on_outputs(outputs, self.stats())
+            with self._lock:
+                outputs = self._collect(core.index, *payload)
+                if self._on_outputs is None:
+                    # Queued as its finished requests leave the table: `has_unfinished` never sees neither.
+                    self._reports.put(outputs)
+            if self._on_outputs is not None:
+                self._on_outputs(outputs, self.stats())
         except Exception as exc:  # a bug on this side: outputs lost, so fail everything rather than hang
             logger.exception("reading %s's outputs failed", core.name)
             self._on_death(f"reading {core.name}'s outputs failed: {exc!r}")
@@ -162,19 +169,19 @@ class EngineCoreClient(ModelFrontend):
         return True
 
     def _collect(self, index: int, outputs: list[RequestOutput], stats: Any) -> list[RequestOutput]:
+        """A step's outputs under the caller's ids (called holding the lock)."""
         collected = []
-        with self._lock:
-            self._stats[index] = stats
-            for output in outputs:
-                request_id = self._by_wire_id.get(output.request_id)
-                if request_id is None:  # aborted meanwhile
-                    continue
-                tracked = self._requests[request_id]
-                if output.finished:
-                    del self._requests[request_id], self._by_wire_id[output.request_id]
-                    self._router.finished(index)
-                output.request_id = request_id  # unpickled here: this side's to change
-                collected.append(tracked.add(output))
+        self._stats[index] = stats
+        for output in outputs:
+            request_id = self._by_wire_id.get(output.request_id)
+            if request_id is None:  # aborted meanwhile
+                continue
+            tracked = self._requests[request_id]
+            if output.finished:
+                del self._requests[request_id], self._by_wire_id[output.request_id]
+                self._router.finished(index)
+            output.request_id = request_id  # unpickled here: this side's to change
+            collected.append(tracked.add(output))
         return collected
 
     def step(self) -> list[RequestOutput]:
