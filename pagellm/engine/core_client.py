@@ -158,7 +158,7 @@ class EngineCoreClient(ModelFrontend):
             with self._lock:
                 outputs = self._collect(core.index, *payload)
                 if self._on_outputs is None:
-                    # Queued as its finished requests leave the table: `has_unfinished` never sees neither.
+                    # Queued as its finished requests leave the table: `has_unfinished` sees one or the other.
                     self._reports.put(outputs)
             if self._on_outputs is not None:
                 self._on_outputs(outputs, self.stats())
