@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import json
 import os
@@ -28,6 +29,20 @@ def measured_limits() -> tuple[float, float]:
     if kind is None:
         raise SystemExit(f"no measured limits for {name!r} (measured: {', '.join(MEASURED_LIMITS)}): pass them")
     return MEASURED_LIMITS[kind]
+
+
+def add_bound_arguments(parser: argparse.ArgumentParser) -> None:
+    """--bandwidth and --flops of a bound (roofline.py's), each `measured_limits`'s where not given."""
+    parser.add_argument("--bandwidth", type=float, help="bytes/s of the bound (default: measured_limits)")
+    parser.add_argument("--flops", type=float, help="bf16 FLOP/s of the bound (default: measured_limits)")
+
+
+def bound_rates(args: argparse.Namespace) -> tuple[float, float]:
+    """(bandwidth, flops) of `add_bound_arguments`' options: those given, the GPU's measured rates for the rest."""
+    if args.bandwidth and args.flops:
+        return args.bandwidth, args.flops
+    bandwidth, flops = measured_limits()
+    return args.bandwidth or bandwidth, args.flops or flops
 
 
 def _commit() -> str:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
+from benchmarks.common import add_bound_arguments, bound_rates, environment, markdown_table, write_results  # noqa: E402
 from benchmarks.models import SHAPES  # noqa: E402
 
 # Stored bytes per weight of the quantized linears: AWQ/GPTQ add an fp16 scale and offset per group of 128.
@@ -75,11 +75,9 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--quantization", nargs="+", default=["none", "fp8", "awq"])
     parser.add_argument("--kv-cache-dtype", nargs="+", default=["auto", "int8"])
-    parser.add_argument("--bandwidth", type=float, help="bytes/s (default: measured_limits)")
-    parser.add_argument("--flops", type=float, help="bf16 FLOP/s (default: measured_limits)")
+    add_bound_arguments(parser)
     args = parser.parse_args()
-    bandwidth = args.bandwidth or measured_limits()[0]
-    flops = args.flops or measured_limits()[1]
+    bandwidth, flops = bound_rates(args)
     prompts, out_lens = workload(args.num_requests)
     in_lens = [len(p) for p in prompts]
     rows = []

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import environment, markdown_table, measured_limits, write_results  # noqa: E402
+from benchmarks.common import add_bound_arguments, bound_rates, environment, markdown_table, write_results  # noqa: E402
 from benchmarks.models import SHAPES, model_dir  # noqa: E402
 from benchmarks.roofline import standard_workload_bound  # noqa: E402
 from pagellm import LLM, SamplingParams  # noqa: E402
@@ -104,11 +104,9 @@ def main() -> None:
     parser.add_argument(
         "--quantization", nargs="+", default=["none"], help="none, fp8, awq or gptq (dummy weights): a row each"
     )
-    parser.add_argument("--bandwidth", type=float, help="bytes/s of the bound (default: measured_limits)")
-    parser.add_argument("--flops", type=float, help="bf16 FLOP/s of the bound (default: measured_limits)")
+    add_bound_arguments(parser)
     args = parser.parse_args()
-    bandwidth = args.bandwidth or measured_limits()[0]
-    flops = args.flops or measured_limits()[1]
+    bandwidth, flops = bound_rates(args)
     prompts, out_lens = workload(args.num_requests)
     rows = []
     for name, kv_dtype, quantization in itertools.product(args.models, args.kv_cache_dtype, args.quantization):

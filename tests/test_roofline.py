@@ -3,10 +3,12 @@ limits the benchmarks divide by."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
-from benchmarks.common import MEASURED_LIMITS, measured_limits
+from benchmarks.common import MEASURED_LIMITS, bound_rates, measured_limits
 from benchmarks.roofline import KV_BYTES, WEIGHT_BYTES, standard_workload_bound
 from tests.conftest import TINY_SHAPES
 
@@ -49,6 +51,8 @@ def test_the_limits_are_those_measured_on_the_gpu_in_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA H100 80GB HBM3")
     assert measured_limits() == (3.0e12, 790e12)
+    given = argparse.Namespace(bandwidth=2.5e12, flops=None)
+    assert bound_rates(given) == (2.5e12, 790e12)  # what is given stands, the rest is measured
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(SystemExit, match="A100.*pass them"):
         measured_limits()
