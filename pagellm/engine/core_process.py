@@ -12,6 +12,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch.multiprocessing as mp
+from tqdm import tqdm
 
 from pagellm.config import EngineConfig
 from pagellm.distributed.executor import die_with_parent
@@ -109,6 +110,9 @@ def run_engine_core(config: EngineConfig, gpus: str | None, conn: Connection) ->
     to it go ("ready", stats) or ("error", why) once, then ("step", outputs, stats) after every step and whenever
     the engine falls idle (so that an abort's freed blocks show), and ("stopped",) at the end."""
     die_with_parent()
+    # tqdm's default lock holds a named semaphore, which this process leaves behind when it dies with its parent
+    # (the resource tracker then warns of a leak at exit); its only bars, the weight loader's, need a thread lock.
+    tqdm.set_lock(threading.RLock())
     if gpus is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpus
     from pagellm.engine.engine import Engine  # after CUDA_VISIBLE_DEVICES

@@ -49,9 +49,20 @@ def spawn_serve(*flags: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def drain_output(proc: subprocess.Popen) -> None:
-    """Keep reading a server's output, so that a full pipe never blocks it."""
-    threading.Thread(target=proc.stdout.read, daemon=True).start()
+class OutputReader:
+    """Reads a server's output on a thread of its own, so that a full pipe never blocks the server; `text` is all
+    of it once the server (and every process holding its output) has exited and `join` has returned."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        self.text = ""
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        self.text = proc.stdout.read()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
 
 
 def wait_until_healthy(url: str, procs: list[subprocess.Popen], timeout: float = 120) -> None:

@@ -14,13 +14,13 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import drain_output, spawn_serve, wait_until_healthy
+from tests.server.conftest import OutputReader, spawn_serve, wait_until_healthy
 
 
 def start_serve(model_dir, *flags: str) -> tuple[subprocess.Popen, str]:
     proc, url = spawn_serve("--model", str(model_dir), "--served-model-name", "tiny", *flags)
     wait_until_healthy(url, [proc])
-    drain_output(proc)
+    OutputReader(proc)
     return proc, url
 
 
