@@ -184,9 +184,10 @@ class ModelRunner:
         else:
             decode_batches = capture_sizes(cfg.max_num_seqs)
         with compile_ahead() as compilation, self.model.first_layers_only():
-            self._warmup(self._longest_rows(), COMPILE_SAMPLING)  # the sampling kernels do not vary with row count
+            # The sampling kernels vary with the row count only in PDL, which one sampled row launches with.
+            self._warmup(self._longest_rows(), COMPILE_SAMPLING)
             for num_tokens in (16, 1):
-                self._warmup([self._dummy_row(num_tokens)], ())
+                self._warmup([self._dummy_row(num_tokens)], COMPILE_SAMPLING)
             for num_seqs in decode_batches:
                 self._warmup([self._dummy_row(1) for _ in range(num_seqs)], ())
         return compilation
