@@ -245,25 +245,40 @@ class TritonOps(_Composed):
     def fp8_linear(self, x, weight, weight_scale, bias=None):
         """Decode-sized batches read the FP8 weight once in a weight-only matmul; larger ones quantize the
         activations per token and run FP8 x FP8 on the tensor cores."""
-        n, k = weight.shape
-        # torch._scaled_mm takes per-row scales with bf16 output only, and dimensions in multiples of 16.
-        tensor_cores = self._fp8_tensor_cores and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
-        if x.shape[0] <= FP8_WEIGHT_ONLY_ROWS or not tensor_cores:
+        if not self._fp8_tensor_core_rows(x, weight):
             return self._quant.weight_only_matmul(x.contiguous(), weight, weight_scale, None, 8, 0, bias)
-        x_fp8, x_scale = self._quant.fp8_quantize_rows(x.contiguous())
-        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=x.dtype)
+        return self._fp8_matmul(*self._quant.fp8_quantize_rows(x.contiguous()), weight, weight_scale, bias, x.dtype)
+
+    def _fp8_tensor_core_rows(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether x's rows times an FP8 weight run FP8 x FP8 on the tensor cores: more of them than
+        FP8_WEIGHT_ONLY_ROWS, where torch._scaled_mm serves (per-row scales with bf16 output only, dimensions in
+        multiples of 16)."""
+        n, k = weight.shape
+        tensor_cores = self._fp8_tensor_cores and x.dtype == torch.bfloat16 and n % 16 == 0 and k % 16 == 0
+        return tensor_cores and x.dim() == 2 and x.shape[0] > FP8_WEIGHT_ONLY_ROWS
+
+    def _fp8_matmul(self, x_fp8, x_scale, weight, weight_scale, bias, dtype):
+        out = torch._scaled_mm(x_fp8, weight.t(), scale_a=x_scale, scale_b=weight_scale[None, :], out_dtype=dtype)
         return out if bias is None else out + bias
 
     def quantized_rms_norm_linear(self, x, residual, norm_weight, eps, weight, bias=None):
-        """One decode row normalizes inside the weight-only GEMV's loads, as `rms_norm_linear` does."""
+        """One decode row normalizes inside the weight-only GEMV's loads, as `rms_norm_linear` does; rows bound
+        for FP8 tensor cores leave the norm's kernel quantized."""
         if x.dim() == 2 and x.shape[0] == 1:
             return self._quant.rms_norm_weight_only_gemv(x, residual, norm_weight, eps, *weight, bias)
+        if weight.offsets is None and self._fp8_tensor_core_rows(x, weight.weight):
+            x_fp8, x_scale, residual = self._rmsnorm.rms_norm_to_fp8(x.contiguous(), norm_weight, eps, residual)
+            return self._fp8_matmul(x_fp8, x_scale, weight.weight, weight.scales, bias, x.dtype), residual
         return super().quantized_rms_norm_linear(x, residual, norm_weight, eps, weight, bias)
 
     def quantized_silu_and_mul_linear(self, x, weight, bias=None):
-        """One decode row applies SwiGLU inside the weight-only GEMV's loads."""
+        """One decode row applies SwiGLU inside the weight-only GEMV's loads; rows bound for FP8 tensor cores
+        leave SwiGLU's kernel quantized."""
         if x.dim() == 2 and x.shape[0] == 1:
             return self._quant.silu_and_mul_weight_only_gemv(x, *weight, bias)
+        if weight.offsets is None and self._fp8_tensor_core_rows(x, weight.weight):
+            x_fp8, x_scale = self._activation.silu_and_mul_to_fp8(x.contiguous())
+            return self._fp8_matmul(x_fp8, x_scale, weight.weight, weight.scales, bias, x.dtype)
         return super().quantized_silu_and_mul_linear(x, weight, bias)
 
     def sample_rows(self, logits, inv_temperature, greedy, top_p, seeds):

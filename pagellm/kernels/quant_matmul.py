@@ -13,7 +13,8 @@ its own, in integers: x as two int8 parts per 32 columns, multiplied with each w
 was loaded by dp4a (four products and their sum an instruction). On Llama-3.1-8B's shapes on the H200 that is
 1.8-2.1x the bf16 GEMV (benchmarks/results/quant-kernels-x16-2026-12-04). Many rows (prefill) go through
 `dequantize` plus cuBLAS for the integers, and FP8 x FP8 `torch._scaled_mm` with per-token activation scales for
-FP8 (`fp8_quantize_rows`). The one-row kernels also take in the op before the product, as the bf16 GEMV does
+FP8 (`fp8_quantize_rows`, or in the RMSNorm or SwiGLU kernel before the matmul: `store_fp8_row`).
+The one-row kernels also take in the op before the product, as the bf16 GEMV does
 (`rms_norm_weight_only_gemv`, `silu_and_mul_weight_only_gemv`), so that a decode row launches fewer kernels.
 """
 
@@ -540,6 +541,28 @@ def _dequantize_kernel(
 
 
 @triton.jit
+def fp8_row_scale(amax):
+    """The per-row FP8 scale of a row whose largest magnitude is `amax` (fp32)."""
+    return tl.maximum(amax, 1e-12) / 448.0  # 448: the largest finite e4m3 value
+
+
+@triton.jit
+def fp8_values(x, scale):
+    """fp32 values over their row's scale, in e4m3's range (the store converts them)."""
+    return tl.clamp(tl.math.div_rn(x, scale), -448.0, 448.0)  # IEEE division, as torch divides
+
+
+@triton.jit
+def store_fp8_row(out_ptr, scale_ptr, row, offsets, values, mask):
+    """A whole row's values quantized to FP8 by their own scale: the values to out_ptr + offsets, the scale to
+    scale_ptr + row."""
+    values = values.to(tl.float32)
+    scale = fp8_row_scale(tl.max(tl.abs(values), axis=0))
+    tl.store(out_ptr + offsets, fp8_values(values, scale).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+@triton.jit
 def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
     row = tl.program_id(0)
     amax = tl.zeros([BLOCK_K], tl.float32)
@@ -547,12 +570,11 @@ def _fp8_quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BL
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, axis=0), 1e-12) / 448.0  # 448: the largest finite e4m3 value
+    scale = fp8_row_scale(tl.max(amax, axis=0))
     for k0 in range(0, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -448.0, 448.0)
-        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+        tl.store(q_ptr + row * stride_q + cols, fp8_values(x, scale).to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(scale_ptr + row, scale)
 
 

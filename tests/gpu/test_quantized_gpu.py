@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from pagellm import LLM, SamplingParams
+from pagellm.kernels import quant_matmul
+from pagellm.kernels.ops import QuantizedWeight, TritonOps, _Composed
 from tests.quant_checkpoints import fp8_at_load_weights, hf_model_with, write_awq, write_fp8, write_gptq_act_order
 
 pytestmark = pytest.mark.gpu
@@ -68,6 +70,26 @@ def test_quantized_gpu_matches_cpu(model_dir, tmp_path, fmt):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     for batch in (ps[2:3], [ps[2]] * 16):
         assert all(len(o.outputs[0].token_ids) == 16 for o in whole.generate(batch, params, use_tqdm=False))
+
+
+def fp8_weight(n: int, k: int, gen: torch.Generator) -> QuantizedWeight:
+    weight = (torch.randn(n, k, generator=gen) * 100).clamp(-448, 448).to(torch.float8_e4m3fn).cuda()  # no NaN
+    return QuantizedWeight(weight, (torch.rand(n, generator=gen) * 1e-3).cuda(), None, 8, 0)
+
+
+def test_fp8_rows_leave_norm_and_swiglu_quantized(monkeypatch):
+    """Rows bound for FP8 tensor cores come out of RMSNorm's and SwiGLU's kernels quantized: the same outputs as
+    each op, then `fp8_quantize_rows`, then the matmul, with no quantizing launch of its own."""
+    ops, gen = TritonOps(), torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(64, 256, generator=gen).cuda().bfloat16() for _ in range(2))
+    norm_weight = (1 + 0.1 * torch.randn(256, generator=gen)).cuda().bfloat16()
+    gate_up, down = fp8_weight(1024, 256, gen), fp8_weight(256, 512, gen)
+    expected_gate_up, expected_sum = _Composed.quantized_rms_norm_linear(ops, x, residual, norm_weight, 1e-6, gate_up)
+    expected_down = _Composed.quantized_silu_and_mul_linear(ops, expected_gate_up, down)
+    monkeypatch.setattr(quant_matmul, "fp8_quantize_rows", None)  # a call would fail
+    out_gate_up, out_sum = ops.quantized_rms_norm_linear(x, residual, norm_weight, 1e-6, gate_up)
+    assert torch.equal(out_gate_up, expected_gate_up) and torch.equal(out_sum, expected_sum)
+    assert torch.equal(ops.quantized_silu_and_mul_linear(out_gate_up, down), expected_down)
 
 
 def test_one_row_steps_match_cpu(model_dir, tmp_path):

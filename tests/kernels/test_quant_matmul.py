@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagellm.kernels import reference
+from pagellm.kernels.activation import silu_and_mul, silu_and_mul_to_fp8
 from pagellm.kernels.quant_matmul import (
     Tiles,
     dequantize,
@@ -16,6 +17,7 @@ from pagellm.kernels.quant_matmul import (
     silu_and_mul_weight_only_gemv,
     weight_only_matmul,
 )
+from pagellm.kernels.rmsnorm import rms_norm, rms_norm_to_fp8
 from pagellm.quantization.packing import pack_int32, unpack_int32
 from tests.kernels.test_triton_kernels import DEVICE, DTYPES, rel_err
 
@@ -246,3 +248,40 @@ def test_fp8_quantize_rows(dtype):
     if DEVICE == "cuda":  # the interpreter's fp32 -> e4m3 conversion truncates (124.3 -> 64), the GPU's rounds
         # Each value is the nearest e4m3 value of x / scale (torch's conversion rounds to nearest even).
         assert torch.equal(q.cpu().float(), ref_q.float())
+
+
+def assert_same_fp8_rows(fused: tuple[torch.Tensor, torch.Tensor], op_output: torch.Tensor, reference_output):
+    """The fused kernel's FP8 rows are bit for bit what quantizing the unfused op's output gives, and their scales
+    those of the torch twin's output (to its rounding); on a GPU, the values are torch's conversion of the op's
+    output (the interpreter's own conversion is wrong: see test_fp8_quantize_rows)."""
+    q, scale = fused
+    unfused_q, unfused_scale = fp8_quantize_rows(op_output)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == op_output.shape and scale.shape == (q.shape[0], 1)
+    assert torch.equal(q.view(torch.uint8), unfused_q.view(torch.uint8))
+    assert torch.equal(scale, unfused_scale)
+    torch.testing.assert_close(scale.cpu(), reference.fp8_quantize_rows(reference_output.cpu())[1], rtol=2e-3, atol=0)
+    if DEVICE == "cuda":
+        expected = (op_output.float() / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+        assert torch.equal(q.view(torch.uint8), expected.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 1000])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_to_fp8(dtype, hidden, with_residual):
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(13, hidden, generator=gen) * torch.logspace(-2, 2, 13)[:, None]).to(DEVICE, dtype)
+    residual = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    normed, summed = rms_norm(x, weight, 1e-5, residual)
+    q, scale, fused_summed = rms_norm_to_fp8(x, weight, 1e-5, residual)
+    assert_same_fp8_rows((q, scale), normed, reference.rms_norm(x, weight, 1e-5, residual)[0])
+    assert torch.equal(fused_summed, summed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens,intermediate", [(1, 64), (7, 1000), (3, 3072)])
+def test_silu_and_mul_to_fp8(dtype, tokens, intermediate):
+    gen = torch.Generator().manual_seed(intermediate)
+    x = (2 * torch.randn(tokens, 2 * intermediate, generator=gen)).to(DEVICE, dtype)
+    assert_same_fp8_rows(silu_and_mul_to_fp8(x), silu_and_mul(x), reference.silu_and_mul(x))

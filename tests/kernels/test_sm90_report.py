@@ -94,6 +94,19 @@ gemv.silu_and_mul_gemv(torch.zeros(1, 2048, dtype=bf), w)"""
     assert all(report["spilled_bytes"] == 0 and not report["pdl"] for report in reports)
 
 
+def test_fp8_output_kernels_compile_for_sm90_without_spills():
+    """RMSNorm and SwiGLU quantizing their rows to FP8, at Llama-3.1-8B's widths (SwiGLU's whole 14,336-wide row
+    in one program)."""
+    reports = compile_launches(
+        """rows, weight = torch.zeros(256, 4096, dtype=bf), torch.zeros(4096, dtype=bf)
+rmsnorm.rms_norm_to_fp8(rows, weight, 1e-6, None)
+rmsnorm.rms_norm_to_fp8(rows, weight, 1e-6, rows.clone())
+activation.silu_and_mul_to_fp8(torch.zeros(256, 28672, dtype=bf))"""
+    )
+    assert [r["kernel"] for r in reports] == ["_rms_norm_kernel"] * 2 + ["_silu_and_mul_kernel"]
+    assert all(report["spilled_bytes"] == 0 for report in reports), reports
+
+
 def test_batch1_decode_kernels_compile_as_pdl_launches_for_sm90():
     """Every kernel of a batch-1 decode step as a PDL launch (what `pdl.launch_early` picks on an sm90 GPU): each
     program must wait for the kernel before it (griddepcontrol.wait), then release the next one."""
