@@ -142,6 +142,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     )
     url = f"http://{args.host}:{args.port}"
     print(f"pagellm: serving {name} — demo page {url}/ — OpenAI API {url}/v1", flush=True)
+    if llm.default_sampling:
+        print(f"pagellm: the model's sampling defaults {llm.default_sampling} (--generation-config vllm: none)")
     try:
         # On SIGTERM uvicorn stops accepting, waits up to the timeout for running requests, then cancels them
         # (which aborts them in the engine).

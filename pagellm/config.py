@@ -177,6 +177,12 @@ class EngineConfig:
     data_parallel_size: int = _option(
         1, "engine replicas, each in its own process (with tensor_parallel_size GPUs each)", aliases=("-dp",)
     )
+    generation_config: str = _option(
+        "auto",
+        "sampling defaults: 'auto' (the model's generation_config.json: temperature, top_p, top_k, min_p, "
+        "repetition_penalty for what a request leaves unset, max_new_tokens as the cap of max_tokens), 'vllm' "
+        "(none), or a directory holding a generation_config.json",
+    )
     quiet: bool = _option(False, "hide progress bars")
 
     def __post_init__(self) -> None:

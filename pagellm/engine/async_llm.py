@@ -19,6 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.engine.core_client import EngineCoreClient
@@ -112,6 +113,11 @@ class AsyncLLM:
     @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
+
+    @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The model's sampling defaults (`generation_config`): SamplingParams fields a request leaves unset."""
+        return self.engine.default_sampling
 
     @property
     def vocab_size(self) -> int:

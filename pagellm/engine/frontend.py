@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from pagellm.config import EngineConfig, ModelConfig, resolve_max_model_len
+from pagellm.engine.generation_config import sampling_defaults
 from pagellm.engine.input_processor import InputProcessor, eos_token_ids
 from pagellm.engine.structured_outputs import GrammarCompiler
 from pagellm.model.loader import load_config_dict, resolve_model_dir
@@ -15,8 +16,8 @@ from pagellm.tokenizer import Tokenizer
 
 class ModelFrontend:
     """The part of an engine that is there before its weights: its config, the model's files and config, the
-    tokenizer, the context limit and the input processor. `Engine` and `EngineCoreClient` (which leaves the weights
-    to its processes) are built on it."""
+    tokenizer, the context limit, the input processor and the sampling defaults (`generation_config`). `Engine`
+    and `EngineCoreClient` (which leaves the weights to its processes) are built on it."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -24,6 +25,7 @@ class ModelFrontend:
         self.model_config = ModelConfig.from_dict(load_config_dict(self.model_dir))
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.model_dir)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
+        self.default_sampling = sampling_defaults(self.model_dir, config.generation_config)
         eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
         grammar_compiler = GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos_ids)
         self.input_processor = InputProcessor(

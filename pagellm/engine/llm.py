@@ -36,6 +36,11 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling_params: the model's generation_config.json defaults
+        (see the `generation_config` option), else SamplingParams()."""
+        return SamplingParams(**self.engine.default_sampling)
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -44,6 +49,8 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in the order of the prompts."""
         prompt_list = _as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
         for prompt, params in zip(prompt_list, params_list):  # fail before anything is queued
             self.engine.input_processor.tokenize(prompt, params.truncate_prompt_tokens)
@@ -146,9 +153,7 @@ def _unwrap_prompt_dict(prompt: dict[str, Any]) -> str | list[int]:
     return value
 
 
-def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams() for _ in range(n)]
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

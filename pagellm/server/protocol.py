@@ -9,6 +9,7 @@ naming it unless it carries its "off" value.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -84,7 +85,7 @@ class SamplingFields(StrictModel):
     min_p: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -114,17 +115,27 @@ class SamplingFields(StrictModel):
         logprobs: int | None,
         prompt_logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None,
+        defaults: Mapping[str, Any],
     ) -> SamplingParams:
+        """`defaults`: the model's (`generation_config`), for the sampling fields the request leaves unset; their
+        max_tokens is also the ceiling of the request's, as in vLLM."""
         self._check_supported()
+
+        def unless_set(name: str, fallback: Any) -> Any:
+            value = getattr(self, name)
+            return defaults.get(name, fallback) if value is None else value
+
+        if defaults.get("max_tokens") is not None:
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
         return SamplingParams(
             n=self.n,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
+            temperature=unless_set("temperature", 1.0),
+            top_p=unless_set("top_p", 1.0),
+            top_k=unless_set("top_k", 0),
+            min_p=unless_set("min_p", 0.0),
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty,
+            repetition_penalty=unless_set("repetition_penalty", 1.0),
             logit_bias=self._token_biases(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
@@ -225,7 +236,7 @@ class CompletionRequest(SamplingFields):
         """max_tokens=0 with echo: the prompt alone (and its logprobs), as lm-evaluation-harness scores text."""
         return self.echo and self.max_tokens == 0
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:
             raise InvalidParameter("best_of", f"best_of={self.best_of} is not supported: must equal n")
         if self.max_tokens == 0 and not self.echo:
@@ -236,7 +247,7 @@ class CompletionRequest(SamplingFields):
         # The prompt alone still needs one step to score it: one token is drawn and not returned.
         max_tokens = 1 if self.prompt_only else self.max_tokens
         structure = self.requested_structure()
-        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, structure and structure[1])
+        return self.sampling_params(max_tokens, self.logprobs, prompt_logprobs, structure and structure[1], defaults)
 
 
 class ContentPart(BaseModel):
@@ -334,13 +345,17 @@ class ChatCompletionRequest(SamplingFields):
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 
-    def to_sampling_params(self, structured_outputs: StructuredOutputsParams | None) -> SamplingParams:
+    def to_sampling_params(
+        self, structured_outputs: StructuredOutputsParams | None, defaults: Mapping[str, Any]
+    ) -> SamplingParams:
         """`structured_outputs`: what the request's own fields ask for (`requested_structure`) or what its
-        tool_choice forces."""
+        tool_choice forces; `defaults`: the model's sampling defaults."""
         if self.top_logprobs is not None and not self.logprobs:
             raise InvalidParameter("top_logprobs", "top_logprobs needs logprobs=true")
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(self.requested_max_tokens, logprobs, self.prompt_logprobs, structured_outputs)
+        return self.sampling_params(
+            self.requested_max_tokens, logprobs, self.prompt_logprobs, structured_outputs, defaults
+        )
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -71,7 +71,7 @@ class OpenAIServing:
     # runs these on a worker thread, off the event loop). Everything a request can get wrong is found here. ------
 
     def completion_job(self, req: CompletionRequest) -> Job:
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.llm.default_sampling)
         prompts = req.prompts()
         ids = [self.llm.input_processor.tokenize(p, params.truncate_prompt_tokens) for p in prompts]
         if not req.prompt_only:
@@ -105,7 +105,7 @@ class OpenAIServing:
             )
         if forced is not None:
             structure = ("tool_choice", forced)
-        params = req.to_sampling_params(structure and structure[1])
+        params = req.to_sampling_params(structure and structure[1], self.llm.default_sampling)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         ids = self.llm.input_processor.tokenize(
             self.chat_prompt_ids(
