@@ -31,13 +31,12 @@ def stream_reply(llm: LLM, messages: list[dict[str, Any]], params: SamplingParam
 
 
 def run_chat(
-    engine_kwargs: dict[str, Any],
+    llm: LLM,
     params: SamplingParams,
     system: str | None,
     stdin: TextIO = sys.stdin,
     stdout: TextIO = sys.stdout,
 ) -> None:
-    llm = LLM(**engine_kwargs)
     messages: list[dict[str, Any]] = [{"role": "system", "content": system}] if system else []
     stdout.write("pagellm chat — empty line or Ctrl-D to quit, /reset to start over\n")
     while True:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from pagellm.config import EngineConfig
 from pagellm.sampling_params import SamplingParams
@@ -35,11 +37,18 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
             )
 
 
+# generate's and chat's own sampling defaults, for what neither a flag nor the model's generation_config.json sets.
+CLI_SAMPLING_DEFAULTS = {"max_tokens": 256, "temperature": 0.7, "top_p": 0.95, "top_k": 0}
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--top-k", type=int, default=0)
+    for name, default in CLI_SAMPLING_DEFAULTS.items():
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=None,
+            help=f"default: the model's generation_config.json, else {default}",
+        )
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
@@ -47,25 +56,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
 
-def sampling_params(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, stop=args.stop
-    )
+def sampling_params(args: argparse.Namespace, model_defaults: Mapping[str, Any]) -> SamplingParams:
+    """The sampling flags given, then the model's defaults (`generation_config`), then CLI_SAMPLING_DEFAULTS."""
+    flags = {name: getattr(args, name) for name in CLI_SAMPLING_DEFAULTS if getattr(args, name) is not None}
+    return SamplingParams(**{**CLI_SAMPLING_DEFAULTS, **model_defaults, **flags}, stop=args.stop)
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagellm import LLM
 
     llm = LLM(**engine_kwargs(args))
-    outputs = llm.generate(args.prompt, sampling_params(args), use_tqdm=not args.quiet)
+    outputs = llm.generate(args.prompt, sampling_params(args, llm.engine.default_sampling), use_tqdm=not args.quiet)
     for out in outputs:
         print(out.outputs[0].text if len(args.prompt) == 1 else f"--- {out.prompt!r}\n{out.outputs[0].text}")
 
 
 def cmd_chat(args: argparse.Namespace) -> None:
+    from pagellm import LLM
     from pagellm.chat_repl import run_chat
 
-    run_chat(engine_kwargs(args), sampling_params(args), args.system)
+    llm = LLM(**engine_kwargs(args))
+    run_chat(llm, sampling_params(args, llm.engine.default_sampling), args.system)
 
 
 def served_model_name(model: str | None) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import zlib
 from pathlib import Path
 
@@ -111,4 +113,19 @@ def tiny_chat_model_dir(tmp_path_factory, smollm2_gguf) -> Path:
     tokenizer = Tokenizer.from_dir(resolve_model_dir(str(smollm2_gguf), quiet=True))
     path = make_tiny_model(tmp_path_factory, "Llama", vocab_size=tokenizer.vocab_size, max_position_embeddings=256)
     tokenizer.hf.save_pretrained(path)
+    return path
+
+
+# What a model's generation_config.json may recommend (beside HF's usual keys): greedy, a repetition penalty and at
+# most 4 tokens, so that whether they were applied shows in every output.
+RECOMMENDED_SAMPLING = {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 4, "do_sample": False}
+
+
+@pytest.fixture(scope="session")
+def recommending_model_dir(tiny_chat_model_dir, tmp_path_factory) -> Path:
+    """The tiny chat model with a generation_config.json recommending RECOMMENDED_SAMPLING."""
+    path = tmp_path_factory.mktemp("recommending") / "model"
+    shutil.copytree(tiny_chat_model_dir, path)
+    config = json.loads((path / "generation_config.json").read_text())
+    (path / "generation_config.json").write_text(json.dumps({**config, **RECOMMENDED_SAMPLING}))
     return path

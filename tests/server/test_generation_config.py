@@ -5,7 +5,6 @@ file's max_new_tokens caps max_tokens; `generation_config="vllm"` ignores the fi
 from __future__ import annotations
 
 import json
-import shutil
 
 import openai
 import pytest
@@ -17,44 +16,32 @@ from pagellm.engine.generation_config import sampling_defaults
 from pagellm.errors import InvalidParameter
 from tests.server.conftest import MODEL, start_server
 
-# Greedy, and at most 4 tokens: what the model's creators "recommend" here, visible in every output.
-RECOMMENDED = {"temperature": 0.0, "repetition_penalty": 1.3, "max_new_tokens": 4, "do_sample": False}
 PROMPTS = [[5, 17, 99, 3], [200, 7]]
 CHAT = [{"role": "user", "content": "Tell me a story about a cat."}]
-
-
-@pytest.fixture(scope="module")
-def recommending_dir(tiny_chat_model_dir, tmp_path_factory):
-    """The tiny chat model with a generation_config.json that sets sampling defaults (beside HF's usual keys)."""
-    path = tmp_path_factory.mktemp("recommending") / "model"
-    shutil.copytree(tiny_chat_model_dir, path)
-    config = json.loads((path / "generation_config.json").read_text())
-    (path / "generation_config.json").write_text(json.dumps({**config, **RECOMMENDED}))
-    return path
 
 
 def tokens(outputs) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def test_offline_generate_without_params_uses_the_model_defaults(recommending_dir):
-    llm = LLM(str(recommending_dir), device="cpu", dtype="float32", quiet=True)
+def test_offline_generate_without_params_uses_the_model_defaults(recommending_model_dir):
+    llm = LLM(str(recommending_model_dir), device="cpu", dtype="float32", quiet=True)
     expected = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=4)
     assert llm.get_default_sampling_params() == expected
     assert tokens(llm.generate(PROMPTS, use_tqdm=False)) == tokens(llm.generate(PROMPTS, expected, use_tqdm=False))
-    ignored = LLM(str(recommending_dir), device="cpu", dtype="float32", quiet=True, generation_config="vllm")
+    ignored = LLM(str(recommending_model_dir), device="cpu", dtype="float32", quiet=True, generation_config="vllm")
     assert ignored.get_default_sampling_params() == SamplingParams()
 
 
-def test_a_directory_of_its_own_and_bad_files_are_errors_naming_the_option(recommending_dir, tmp_path):
+def test_a_directory_of_its_own_and_bad_files_are_errors_naming_the_option(recommending_model_dir, tmp_path):
     assert sampling_defaults(tmp_path, "auto") == {}  # no file: SamplingParams' own defaults
-    assert sampling_defaults(tmp_path, str(recommending_dir)) == {
+    assert sampling_defaults(tmp_path, str(recommending_model_dir)) == {
         "temperature": 0.0,
         "repetition_penalty": 1.3,
         "max_tokens": 4,
     }
     with pytest.raises(InvalidParameter, match="no generation_config.json there") as missing:
-        LLM(str(recommending_dir), device="cpu", quiet=True, generation_config=str(tmp_path))
+        LLM(str(recommending_model_dir), device="cpu", quiet=True, generation_config=str(tmp_path))
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(InvalidParameter, match="top_p") as bad:
         sampling_defaults(tmp_path, "auto")
@@ -62,8 +49,8 @@ def test_a_directory_of_its_own_and_bad_files_are_errors_naming_the_option(recom
 
 
 @pytest.fixture(scope="module")
-def recommending_server(recommending_dir):
-    llm = AsyncLLM(EngineConfig(model=str(recommending_dir), device="cpu", dtype="float32", quiet=True))
+def recommending_server(recommending_model_dir):
+    llm = AsyncLLM(EngineConfig(model=str(recommending_model_dir), device="cpu", dtype="float32", quiet=True))
     srv, url = start_server(llm)
     yield openai.OpenAI(base_url=f"{url}/v1", api_key="unused")
     srv.should_exit = True

@@ -1,0 +1,50 @@
+"""`pagellm generate` and `pagellm chat`, the terminal front doors, against the offline API: what they print is what
+`LLM.generate` / `LLM.chat` return with the same sampling, which takes the flags given, then the model's
+generation_config.json, then the CLI's own defaults (temperature 0.7, top_p 0.95, 256 tokens)."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from pagellm import LLM, SamplingParams
+from pagellm.chat_repl import run_chat
+from pagellm.cli import build_parser, main, sampling_params
+
+ENGINE_FLAGS = ["--device", "cpu", "--dtype", "float32", "--quiet"]
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def llm(recommending_model_dir) -> LLM:
+    return LLM(str(recommending_model_dir), device="cpu", dtype="float32", quiet=True)
+
+
+def test_generate_uses_the_model_defaults_then_the_cli_defaults(recommending_model_dir, llm, capsys):
+    assert main(["generate", "--model", str(recommending_model_dir), *ENGINE_FLAGS, "--prompt", PROMPT]) == 0
+    # The file's greedy, repetition penalty and 4 tokens; the CLI's top_p (which greedy ignores).
+    expected = SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=4, top_p=0.95)
+    assert capsys.readouterr().out == llm.generate([PROMPT], expected, use_tqdm=False)[0].outputs[0].text + "\n"
+
+
+def test_generate_flags_win(recommending_model_dir, llm, capsys):
+    flags = ["--temperature", "0", "--max-tokens", "7", "--generation-config", "vllm"]
+    assert main(["generate", "--model", str(recommending_model_dir), *ENGINE_FLAGS, *flags, "--prompt", PROMPT]) == 0
+    expected = SamplingParams(temperature=0.0, max_tokens=7, top_p=0.95)  # no file: no repetition penalty
+    assert capsys.readouterr().out == llm.generate([PROMPT], expected, use_tqdm=False)[0].outputs[0].text + "\n"
+
+
+def test_chat_streams_what_llm_chat_returns(recommending_model_dir, llm):
+    args = build_parser().parse_args(["chat", "--model", str(recommending_model_dir), *ENGINE_FLAGS])
+    params = sampling_params(args, llm.engine.default_sampling)
+    out = io.StringIO()
+    run_chat(llm, params, "Be brief.", stdin=io.StringIO("Hello there\n/reset\nHi\n\n"), stdout=out)
+    # Each turn prints "you> " (the typed line is the terminal's echo, not printed), then "bot> " and the reply.
+    replies = [line.split("bot> ", 1)[1] for line in out.getvalue().splitlines() if "bot> " in line]
+    system = {"role": "system", "content": "Be brief."}
+    expected = [
+        llm.chat([system, {"role": "user", "content": text}], params, use_tqdm=False)[0].outputs[0].text
+        for text in ("Hello there", "Hi")  # /reset: the second turn starts over
+    ]
+    assert replies == expected
