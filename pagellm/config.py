@@ -183,6 +183,9 @@ class EngineConfig:
         "repetition_penalty for what a request leaves unset, max_new_tokens as the cap of max_tokens), 'vllm' "
         "(none), or a directory holding a generation_config.json",
     )
+    chat_template: str | None = _option(
+        None, "a chat template replacing the model's: a Jinja file's path, or the template itself"
+    )
     quiet: bool = _option(False, "hide progress bars")
 
     def __post_init__(self) -> None:

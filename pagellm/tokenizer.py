@@ -56,6 +56,19 @@ class Tokenizer:
 
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
+    def use_chat_template(self, template: str) -> None:
+        """Replace the model's chat template (vLLM's --chat-template): `template` is a Jinja file's path or, where
+        it holds Jinja's braces or a line break, the template itself."""
+        if not any(char in template for char in "{}\n"):
+            try:
+                template = Path(template).read_text()
+            except OSError as exc:
+                raise InvalidParameter(
+                    "chat_template",
+                    f"chat_template={template!r}: looks like a file's path, but it could not be read ({exc.strerror})",
+                ) from None
+        self.hf.chat_template = template
+
     @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id

@@ -10,6 +10,7 @@ from pagellm.config import EngineConfig, ModelConfig, resolve_max_model_len
 from pagellm.engine.generation_config import sampling_defaults
 from pagellm.engine.input_processor import InputProcessor, eos_token_ids
 from pagellm.engine.structured_outputs import GrammarCompiler
+from pagellm.errors import InvalidParameter
 from pagellm.model.loader import load_config_dict, resolve_model_dir
 from pagellm.tokenizer import Tokenizer
 
@@ -24,6 +25,10 @@ class ModelFrontend:
         self.model_dir: Path = resolve_model_dir(config.model, quiet=config.quiet)
         self.model_config = ModelConfig.from_dict(load_config_dict(self.model_dir))
         self.tokenizer: Tokenizer | None = Tokenizer.from_dir(self.model_dir)
+        if config.chat_template is not None:
+            if self.tokenizer is None:
+                raise InvalidParameter("chat_template", "chat_template: this model has no tokenizer to apply it with")
+            self.tokenizer.use_chat_template(config.chat_template)
         self.max_model_len = resolve_max_model_len(config, self.model_config)
         self.default_sampling = sampling_defaults(self.model_dir, config.generation_config)
         eos_ids = eos_token_ids(self.model_dir, self.model_config, self.tokenizer)
