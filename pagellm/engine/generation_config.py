@@ -29,13 +29,13 @@ def sampling_defaults(model_dir: Path, setting: str) -> dict[str, Any]:
             f"generation_config={setting!r}: no generation_config.json there; "
             "pass 'auto' (the model's), 'vllm' (none) or a directory holding one",
         )
-    config = json.loads(path.read_text())
-    defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
-    if config.get("max_new_tokens") is not None:
-        defaults["max_tokens"] = config["max_new_tokens"]
     try:
+        config = json.loads(path.read_text())
+        defaults = {key: config[key] for key in SAMPLING_KEYS if config.get(key) is not None}
+        if config.get("max_new_tokens") is not None:
+            defaults["max_tokens"] = config["max_new_tokens"]
         SamplingParams(**defaults)
-    except ValueError as exc:
+    except (ValueError, TypeError, AttributeError) as exc:  # not JSON, not an object, or values out of range
         raise InvalidParameter(
             "generation_config", f"{path}: {exc} (generation_config='vllm' ignores the file)"
         ) from None

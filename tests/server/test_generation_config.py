@@ -45,7 +45,10 @@ def test_a_directory_of_its_own_and_bad_files_are_errors_naming_the_option(recom
     (tmp_path / "generation_config.json").write_text(json.dumps({"top_p": 1.5}))
     with pytest.raises(InvalidParameter, match="top_p") as bad:
         sampling_defaults(tmp_path, "auto")
-    assert missing.value.param == bad.value.param == "generation_config"
+    (tmp_path / "generation_config.json").write_text("{temperature: 0.5")
+    with pytest.raises(InvalidParameter, match="generation_config.json") as not_json:
+        sampling_defaults(tmp_path, "auto")
+    assert missing.value.param == bad.value.param == not_json.value.param == "generation_config"
 
 
 @pytest.fixture(scope="module")
