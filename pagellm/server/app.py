@@ -19,6 +19,7 @@ from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagellm import __version__
 from pagellm.engine.async_llm import AsyncLLM, EngineDeadError
 from pagellm.errors import InvalidParameter
 from pagellm.server.metrics import ServerMetrics
@@ -113,6 +114,10 @@ def create_app(
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=503 if llm.error is not None else 200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}  # vLLM's endpoint: clients probe it to tell the server's build
 
     @app.get("/v1/models")
     async def models() -> dict:

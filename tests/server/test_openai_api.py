@@ -24,6 +24,12 @@ def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
 
 
+def test_version(server):
+    from importlib.metadata import version
+
+    assert httpx.get(f"{server.url}/version").json() == {"version": version("pagellm")}
+
+
 def test_chat_paris(client, server):
     resp = client.chat.completions.create(
         model=MODEL,
