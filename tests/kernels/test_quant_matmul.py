@@ -19,7 +19,7 @@ from pagellm.kernels.quant_matmul import (
 )
 from pagellm.kernels.rmsnorm import rms_norm, rms_norm_to_fp8
 from pagellm.quantization.packing import pack_int32, unpack_int32
-from tests.kernels.test_triton_kernels import DEVICE, DTYPES, rel_err
+from tests.kernels.test_triton_kernels import DEVICE, DTYPES, rel_err, rms_norm_inputs
 
 # fp32 tensor-core dots run in TF32 on a GPU; the interpreter multiplies in fp32.
 TOL = {torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3, torch.float16: 2e-3, torch.bfloat16: 2e-2}
@@ -269,10 +269,7 @@ def assert_same_fp8_rows(fused: tuple[torch.Tensor, torch.Tensor], op_output: to
 @pytest.mark.parametrize("hidden", [64, 1000])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_to_fp8(dtype, hidden, with_residual):
-    gen = torch.Generator().manual_seed(hidden)
-    x = (torch.randn(13, hidden, generator=gen) * torch.logspace(-2, 2, 13)[:, None]).to(DEVICE, dtype)
-    residual = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    x, residual, weight = rms_norm_inputs(hidden, dtype, with_residual, torch.logspace(-2, 2, 13)[:, None])
     normed, summed = rms_norm(x, weight, 1e-5, residual)
     q, scale, fused_summed = rms_norm_to_fp8(x, weight, 1e-5, residual)
     assert_same_fp8_rows((q, scale), normed, reference.rms_norm(x, weight, 1e-5, residual)[0])

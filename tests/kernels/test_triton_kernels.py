@@ -203,14 +203,22 @@ def test_rope_and_write_kv(dtype, kv_int8, heads, kv_heads, dim, rope_type, qk_n
         assert torch.equal(out.flatten(0, 1)[~written.to(DEVICE)], blank.flatten(0, 1)[~written.to(DEVICE)])
 
 
+def rms_norm_inputs(
+    hidden: int, dtype: torch.dtype, with_residual: bool, row_scale: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """13 rows of x (times row_scale), a residual where asked for, and a norm weight near 1; seeded by the width."""
+    gen = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(13, hidden, generator=gen) * row_scale).to(DEVICE, dtype)
+    residual = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    return x, residual, weight
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [64, 576, 1000])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm(dtype, hidden, with_residual):
-    gen = torch.Generator().manual_seed(hidden)
-    x = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype)
-    residual = torch.randn(13, hidden, generator=gen).to(DEVICE, dtype) if with_residual else None
-    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(DEVICE, dtype)
+    x, residual, weight = rms_norm_inputs(hidden, dtype, with_residual)
     ref_out, ref_res = reference.rms_norm(x, weight, 1e-5, residual)
     out, res = rms_norm(x, weight, 1e-5, residual)
     assert rel_err(out, ref_out) < TOL[dtype]
