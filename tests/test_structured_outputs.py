@@ -85,6 +85,32 @@ def test_constrained_samples_beside_finishing_neighbours_sample_as_alone(tiny_ch
             assert re.fullmatch(pattern if out.finish_reason == "stop" else f"[{letter} ]*", out.text), out.text
 
 
+def test_an_abort_while_two_constrained_steps_are_in_flight(tiny_chat_llm):
+    """Once a constrained look-ahead step samples, its successor is launched too: between two step() calls two
+    steps are in flight. Aborting a request then and reusing its id leaves the neighbour's samples what they are
+    alone, gives the new request its own output, and frees every block."""
+    engine = tiny_chat_llm.engine
+    regex = {"regex": "[a-z]+( [a-z]+)*"}
+    neighbour = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, structured_outputs=regex)
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    alone = [
+        tiny_chat_llm.generate([prompt], [params], use_tqdm=False)[0].outputs[0].token_ids
+        for prompt, params in (([40, 50], neighbour), ([4, 5, 6], greedy))
+    ]
+    engine.add_request([10, 20], SamplingParams(temperature=1.0, seed=1, max_tokens=12, structured_outputs=regex), "x")
+    engine.add_request([40, 50], neighbour, "y")
+    outs = engine.step() + engine.step()
+    assert engine._launched_next is not None  # the case under test: two steps in flight
+    engine.abort("x")
+    engine.add_request([4, 5, 6], greedy, "x")
+    while engine.has_unfinished():
+        outs += engine.step()
+    finals = {o.request_id: o for o in outs if o.finished}
+    assert finals["y"].outputs[0].token_ids == alone[0]
+    assert finals["x"].prompt_token_ids == [4, 5, 6] and finals["x"].outputs[0].token_ids == alone[1]
+    assert engine.stats().num_free_blocks == engine.stats().num_blocks
+
+
 def test_threaded_bitmask_fill_equals_one_row_at_a_time(tiny_chat_llm, monkeypatch):
     """From BATCH_FILL_ROWS constrained rows on, xgrammar's batch fill runs on threads (one thread on a 2-core
     machine: forced to 2 here); the samples are those of the one-by-one fill."""

@@ -78,6 +78,8 @@ class Engine(ModelFrontend):
         )
         self._ids = itertools.count()
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
+        # The step after it, already launched: a constrained look-ahead step's successor (see `step`).
+        self._launched_next: _InFlight | None = None
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
@@ -121,7 +123,7 @@ class Engine(ModelFrontend):
         return output
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        return self.scheduler.has_unfinished() or self._in_flight is not None or self._launched_next is not None
 
     # ---- one step -------------------------------------------------------------------------------------------
 
@@ -133,29 +135,38 @@ class Engine(ModelFrontend):
         (its input tokens stay on the device), so the host's bookkeeping overlaps the GPU's work instead of
         leaving it idle. A request that turns out to have stopped wastes its row of the successor. A successor
         with constrained rows (structured outputs) runs its forward pass meanwhile and samples once this step's
-        tokens have advanced the grammars."""
+        tokens have advanced the grammars; its own successor is then launched at once, before this call returns,
+        so that the device does not wait for the host's scheduling between the sampling and the next forward pass
+        (a request arriving meanwhile joins the step after)."""
         if self._in_flight is None:
             step = self.scheduler.schedule()
             if step.is_empty:
                 return []
             self._in_flight = self._launch(step)
             self._sample_constrained(self._in_flight)
-        current, self._in_flight = self._in_flight, None
-        if self.config.async_scheduling:
-            ahead = self.scheduler.schedule_ahead(current.step)
-            self._in_flight = self._launch(ahead) if ahead is not None else None
+        current, self._in_flight = self._in_flight, self._launched_next
+        self._launched_next = None
+        if self._in_flight is None and self.config.async_scheduling:
+            self._in_flight = self._launch_ahead(current)
         updates = self.scheduler.update_from_output(current.step, self.runner.collect(current.launched))
         self.structured_outputs.accept(updates)
         # The look-ahead step's constrained rows wait for their bitmask, filled on its own thread while this one
-        # processes the outputs, and sample before the next step is launched. A row of a request that the output
-        # processor finds stopped is wasted, like any look-ahead row of a stopped request.
+        # processes the outputs. A row of a request that the output processor finds stopped is wasted, like any
+        # look-ahead row of a stopped request.
         fill = self._start_bitmask(self._in_flight)
         outputs, stopped = self.output_processor.process(updates)
         if fill is not None:
             self.runner.sample_constrained(self._in_flight.launched, fill.result())
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         self.structured_outputs.remove(stopped)
+        if fill is not None:
+            self._launched_next = self._launch_ahead(self._in_flight)
         return outputs
+
+    def _launch_ahead(self, in_flight: _InFlight) -> _InFlight | None:
+        """The step after `in_flight`, launched before its tokens are back, when the scheduler can tell it."""
+        ahead = self.scheduler.schedule_ahead(in_flight.step)
+        return self._launch(ahead) if ahead is not None else None
 
     def _launch(self, step: SchedulerOutput) -> _InFlight:
         return _InFlight(step, self.runner.launch(step))
