@@ -39,6 +39,24 @@ RESERVED_TEMPLATE_VARIABLES = frozenset(
 )
 
 
+def has_tokenizer(model_dir: str | Path) -> bool:
+    return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
+
+
+def read_chat_template(template: str) -> str:
+    """The text of a chat template option (vLLM's --chat-template): a Jinja file's path or, where it holds Jinja's
+    braces or a line break, the template itself."""
+    if any(char in template for char in "{}\n"):
+        return template
+    try:
+        return Path(template).read_text()
+    except OSError as exc:
+        raise InvalidParameter(
+            "chat_template",
+            f"chat_template={template!r}: looks like a file's path, but it could not be read ({exc.strerror})",
+        ) from None
+
+
 class Tokenizer:
     """Thin wrapper over a transformers tokenizer: encode, decode, chat template, EOS ids."""
 
@@ -49,24 +67,14 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path: str | Path) -> Tokenizer | None:
         """The tokenizer saved in a model directory, or None when the directory has none."""
-        path = Path(path)
-        if not any((path / name).exists() for name in TOKENIZER_FILES):
+        if not has_tokenizer(path):
             return None
         from transformers import AutoTokenizer  # a second of import time, spent only on models with a tokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(path)))
 
     def use_chat_template(self, template: str) -> None:
-        """Replace the model's chat template (vLLM's --chat-template): `template` is a Jinja file's path or, where
-        it holds Jinja's braces or a line break, the template itself."""
-        if not any(char in template for char in "{}\n"):
-            try:
-                template = Path(template).read_text()
-            except OSError as exc:
-                raise InvalidParameter(
-                    "chat_template",
-                    f"chat_template={template!r}: looks like a file's path, but it could not be read ({exc.strerror})",
-                ) from None
+        """Replace the model's chat template with `template`'s text (see `read_chat_template`)."""
         self.hf.chat_template = template
 
     @property

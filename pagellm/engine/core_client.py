@@ -72,7 +72,7 @@ class EngineCoreClient(ModelFrontend):
         """Starts the processes and waits for their engines. `on_outputs(outputs, stats)` gets each step's outputs
         and the stats after it (all processes together); without it, `step` returns the outputs. Without
         `on_death`, `step` raises the error of a process that died."""
-        super().__init__(config)
+        self.find_model(config)
         self.startup_seconds: dict[str, float] = {}
         check_data_parallel(config)
         self._reports: queue.Queue = queue.Queue()  # what `step` returns, without `on_outputs`
@@ -92,6 +92,7 @@ class EngineCoreClient(ModelFrontend):
             self, _stop_cores, args=(self.cores, self._stopping), exitpriority=10
         )
         try:
+            self.load_tokenizer()  # while the processes start
             self._stats = [core.wait_ready() for core in self.cores]
         except BaseException:
             self._stop()

@@ -9,6 +9,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -47,17 +48,22 @@ class EngineStats(SchedulerStats):
 
 class Engine(ModelFrontend):
     def __init__(self, config: EngineConfig) -> None:
-        super().__init__(config)
+        self.find_model(config)
         # Seconds spent in each start-up phase, logged and kept for benchmarks.
         self.startup_seconds: dict[str, float] = {}
-        with self._phase("load_model"):
-            self.runner = make_runner(self.model_config, config, self.model_dir, self.max_model_len)
-        with self._phase("compile_kernels"):
-            self.runner.compile_kernels()  # started before the weights loaded: this is what their loading did not hide
-        with self._phase("profile_memory"):
-            num_blocks = self.runner.determine_num_blocks()
-        with self._phase("kv_cache_and_cuda_graphs"):
-            self.runner.allocate_kv_cache(num_blocks)
+        # The tokenizer loads on a thread of its own meanwhile (mostly while this one waits on weights or kernels).
+        with ThreadPoolExecutor(1, thread_name_prefix="pagellm-tokenizer") as loader:
+            tokenizer_loaded = loader.submit(self.load_tokenizer)
+            with self._phase("load_model"):
+                self.runner = make_runner(self.model_config, config, self.model_dir, self.max_model_len)
+            with self._phase("compile_kernels"):
+                self.runner.compile_kernels()  # started before the weights loaded: what their loading did not hide
+            with self._phase("profile_memory"):
+                num_blocks = self.runner.determine_num_blocks()
+            with self._phase("kv_cache_and_cuda_graphs"):
+                self.runner.allocate_kv_cache(num_blocks)
+            with self._phase("tokenizer"):  # what the rest did not hide
+                tokenizer_loaded.result()
         if not config.quiet:
             logger.info(
                 "KV cache: %d blocks of %d tokens; start-up %s",
