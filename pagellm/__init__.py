@@ -1,5 +1,6 @@
 """pagellm: a readable LLM inference engine with a paged KV cache and continuous batching."""
 
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from pagellm.engine.llm import LLM
 from pagellm.outputs import CompletionOutput, Logprob, RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -12,5 +13,8 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
 ]
 __version__ = "0.1.0"

@@ -9,6 +9,7 @@ from typing import Any
 from tqdm import tqdm
 
 from pagellm.config import EngineConfig, engine_option_names
+from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.engine import make_engine
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
@@ -55,6 +56,20 @@ class LLM:
         for prompt, params in zip(prompt_list, params_list):  # fail before anything is queued
             self.engine.input_processor.tokenize(prompt, params.truncate_prompt_tokens)
         return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
+    ) -> list[BeamSearchOutput]:
+        """The beam_width best hypotheses of each prompt, best first (see `engine/beam_search.py`)."""
+        prompt_ids = [self.engine.input_processor.tokenize(prompt) for prompt in _as_prompt_list(prompts)]
+        return beam_search(
+            prompt_ids,
+            params,
+            lambda round_prompts, round_params: self.generate(round_prompts, round_params, use_tqdm),
+            self.engine.input_processor.eos_token_ids,
+            self.engine.max_model_len,
+            None if self.tokenizer is None else self.tokenizer.decode,
+        )
 
     def chat(
         self,

@@ -1,0 +1,109 @@
+"""Beam search over the engine (vLLM's `LLM.beam_search`): each round asks every live beam for one greedy token
+with the log-probabilities of its 2 x beam_width likeliest next tokens, extends each beam by each of them, and keeps
+the beam_width likeliest extensions of each prompt; an extension ending in EOS is a finished hypothesis. The prompts
+of a round share their prefixes with the round before, so prefix caching computes only their new tokens. After
+max_tokens rounds (or when no beam is left) the finished hypotheses and the live beams are ranked by their
+cumulative log-probability over generated_length ** length_penalty (the EOS not counted), as in HF transformers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from pagellm.errors import InvalidParameter
+from pagellm.outputs import Logprob, RequestOutput
+from pagellm.sampling_params import SamplingParams
+
+MAX_BEAM_WIDTH = 10  # each round asks 2 x beam_width log-probabilities; a request may ask at most 20
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    length_penalty: float = 1.0  # > 0 favours longer hypotheses, < 0 shorter ones
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_BEAM_WIDTH):
+            raise InvalidParameter(
+                "beam_width", f"beam_width={self.beam_width!r}: must be an integer from 1 to {MAX_BEAM_WIDTH}"
+            )
+        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
+            raise InvalidParameter("max_tokens", f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
+        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
+            raise InvalidParameter("length_penalty", f"length_penalty={self.length_penalty!r}: must be a finite number")
+
+
+@dataclass
+class BeamSearchSequence:
+    """One hypothesis: the prompt's tokens and the generated ones, each generated token's log-probabilities (the
+    token's own and the other candidates of its round), their sum, and the text of the generated tokens."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    cum_logprob: float = 0.0
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+    text: str | None = None
+
+
+@dataclass
+class BeamSearchOutput:
+    sequences: list[BeamSearchSequence]  # the best first, at most beam_width
+
+
+def beam_search(
+    prompts: Sequence[list[int]],
+    params: BeamSearchParams,
+    generate: Callable[[list[list[int]], SamplingParams], list[RequestOutput]],
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+    decode: Callable[[list[int]], str] | None,
+) -> list[BeamSearchOutput]:
+    """The best hypotheses of each prompt (validated token ids, each shorter than max_model_len).
+    `generate(prompts, params)` runs a round (LLM.generate); `decode` turns generated tokens into text."""
+    width = params.beam_width
+    round_params = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
+    live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
+    done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+    for _ in range(params.max_tokens):
+        for beams, finished in zip(live, done):  # a beam at the context's end can grow no more
+            finished += [_ended(b, "length") for b in beams if len(b.tokens) >= max_model_len]
+            beams[:] = [b for b in beams if len(b.tokens) < max_model_len]
+        asked = [(i, beam) for i, beams in enumerate(live) for beam in beams]
+        if not asked:
+            break
+        outputs = generate([beam.tokens for _, beam in asked], round_params)
+        extensions: list[list[BeamSearchSequence]] = [[] for _ in prompts]
+        for (i, beam), output in zip(asked, outputs):
+            candidates = output.outputs[0].logprobs[0]
+            for token, logprob in candidates.items():
+                grown = BeamSearchSequence(
+                    beam.tokens + [token], beam.logprobs + [candidates], beam.cum_logprob + logprob.logprob
+                )
+                if token in eos_token_ids and not params.ignore_eos:
+                    done[i].append(_ended(grown, "stop"))
+                else:
+                    extensions[i].append(grown)
+        # Every extension of a round has the same length, so the likeliest are also the best scored.
+        live = [sorted(grown, key=lambda b: b.cum_logprob, reverse=True)[:width] for grown in extensions]
+    results = []
+    for prompt, beams, finished in zip(prompts, live, done):
+        ranked = finished + [_ended(b, "length") for b in beams]
+        ranked.sort(key=lambda b: _score(b, len(prompt), params.length_penalty), reverse=True)
+        for beam in ranked[:width]:
+            beam.text = decode(beam.tokens[len(prompt) :]) if decode is not None else None
+        results.append(BeamSearchOutput(ranked[:width]))
+    return results
+
+
+def _ended(beam: BeamSearchSequence, reason: str) -> BeamSearchSequence:
+    beam.finish_reason = reason
+    return beam
+
+
+def _score(beam: BeamSearchSequence, prompt_len: int, length_penalty: float) -> float:
+    generated = len(beam.tokens) - prompt_len - (beam.finish_reason == "stop")  # an ending EOS is not counted
+    return beam.cum_logprob / max(generated, 1) ** length_penalty
