@@ -9,7 +9,7 @@ cumulative log-probability over generated_length ** length_penalty (the EOS not 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
 from pagellm.errors import InvalidParameter
@@ -62,10 +62,32 @@ def beam_search(
     max_model_len: int,
     decode: Callable[[list[int]], str] | None,
 ) -> list[BeamSearchOutput]:
-    """The best hypotheses of each prompt (validated token ids, each shorter than max_model_len).
-    `generate(prompts, params)` runs a round (LLM.generate); `decode` turns generated tokens into text."""
+    """`search_rounds` run by `generate(prompts, params)` (LLM.generate), one round at a time."""
+    rounds = search_rounds(prompts, params, eos_token_ids, max_model_len, decode)
+    try:
+        asked = next(rounds)
+        while True:
+            asked = rounds.send(generate(asked, round_params(params)))
+    except StopIteration as finished:
+        return finished.value
+
+
+def round_params(params: BeamSearchParams) -> SamplingParams:
+    """What each beam of a round asks for: one greedy token and the 2 x beam_width likeliest next tokens."""
+    return SamplingParams(temperature=0, max_tokens=1, logprobs=2 * params.beam_width, ignore_eos=True)
+
+
+def search_rounds(
+    prompts: Sequence[list[int]],
+    params: BeamSearchParams,
+    eos_token_ids: frozenset[int],
+    max_model_len: int,
+    decode: Callable[[list[int]], str] | None,
+) -> Generator[list[list[int]], list[RequestOutput], list[BeamSearchOutput]]:
+    """The search, whoever runs it: yields each round's prompts (token ids), takes back their finished outputs
+    under `round_params`, and returns the best hypotheses of each prompt (validated token ids, each shorter than
+    max_model_len); `decode` turns generated tokens into text."""
     width = params.beam_width
-    round_params = SamplingParams(temperature=0, max_tokens=1, logprobs=2 * width, ignore_eos=True)
     live = [[BeamSearchSequence(list(prompt))] for prompt in prompts]
     done: list[list[BeamSearchSequence]] = [[] for _ in prompts]
     for _ in range(params.max_tokens):
@@ -75,9 +97,9 @@ def beam_search(
         asked = [(i, beam) for i, beams in enumerate(live) for beam in beams]
         if not asked:
             break
-        outputs = generate([beam.tokens for _, beam in asked], round_params)
+        outputs = yield [beam.tokens for _, beam in asked]
         extensions: list[list[BeamSearchSequence]] = [[] for _ in prompts]
-        for (i, beam), output in zip(asked, outputs):
+        for (i, beam), output in zip(asked, outputs, strict=True):
             candidates = output.outputs[0].logprobs[0]
             for token, logprob in candidates.items():
                 grown = BeamSearchSequence(

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from pagellm.engine.beam_search import BeamSearchParams
 from pagellm.errors import InvalidParameter
 from pagellm.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -108,6 +109,28 @@ class SamplingFields(StrictModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    use_beam_search: bool = False  # vLLM's: n beams, whose n best hypotheses are the choices
+    length_penalty: float = 1.0  # beam search's: hypotheses rank by log-probability / length ** length_penalty
+
+    def beam_search_params(self, params: SamplingParams, max_model_len: int) -> BeamSearchParams | None:
+        """What `use_beam_search` asks for: n beams, params' max_tokens (None: to the context's end). Deterministic
+        (temperature and the other sampling fields play no part); what it cannot go with is refused."""
+        if not self.use_beam_search:
+            return None
+        excluded = {
+            "stream": self.stream,
+            "logprobs": params.logprobs is not None,
+            "prompt_logprobs": params.prompt_logprobs is not None,
+            "structured outputs": params.structured_outputs is not None,
+        }
+        for name, requested in excluded.items():
+            if requested:
+                raise InvalidParameter("use_beam_search", f"use_beam_search: not available with {name}")
+        try:
+            return BeamSearchParams(self.n, params.max_tokens or max_model_len, params.ignore_eos, self.length_penalty)
+        except InvalidParameter as exc:
+            field = "n" if exc.param == "beam_width" else exc.param
+            raise InvalidParameter(field, f"{field}: with use_beam_search, {exc}") from None
 
     def sampling_params(
         self,

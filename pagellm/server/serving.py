@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 import uuid
@@ -12,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagellm.engine.async_llm import AsyncLLM
+from pagellm.engine.beam_search import BeamSearchParams, round_params, search_rounds
 from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import CompletionOutput, PositionLogprobs, RequestOutput
@@ -40,6 +42,7 @@ class Job:
     continuous_usage: bool = False  # every streamed chunk carries its choice's usage so far
     top_logprobs: int = 0
     chat_rules: ChatOutputRules = field(default_factory=ChatOutputRules)
+    beam: BeamSearchParams | None = None  # `use_beam_search`: the choices are the n best hypotheses
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -72,6 +75,9 @@ class OpenAIServing:
 
     def completion_job(self, req: CompletionRequest) -> Job:
         params = req.to_sampling_params(self.llm.default_sampling)
+        beam = req.beam_search_params(params, self.llm.max_model_len)
+        if beam is not None and req.echo:
+            raise InvalidParameter("use_beam_search", "use_beam_search: not available with echo")
         prompts = req.prompts()
         ids = [self.llm.input_processor.tokenize(p, params.truncate_prompt_tokens) for p in prompts]
         if not req.prompt_only:
@@ -93,6 +99,7 @@ class OpenAIServing:
             include_usage=req.include_usage,
             continuous_usage=req.continuous_usage,
             top_logprobs=params.logprobs or 0,
+            beam=beam,
             id=job_id,
         )
 
@@ -106,6 +113,7 @@ class OpenAIServing:
         if forced is not None:
             structure = ("tool_choice", forced)
         params = req.to_sampling_params(structure and structure[1], self.llm.default_sampling)
+        beam = req.beam_search_params(params, self.llm.max_model_len)
         tools = [tool.model_dump(exclude_none=True) for tool in req.tools] if req.tools else None
         ids = self.llm.input_processor.tokenize(
             self.chat_prompt_ids(
@@ -126,6 +134,7 @@ class OpenAIServing:
             continuous_usage=req.continuous_usage,
             top_logprobs=params.logprobs or 0,
             chat_rules=rules,
+            beam=beam,
             id=job_id,
         )
 
@@ -180,6 +189,12 @@ class OpenAIServing:
     async def _merged(self, job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt of the job as they come, tagged with the prompt's index. Leaving early
         cancels the producers, whose streams then abort their requests."""
+        if job.beam is not None:  # the prompts' searches side by side, their outputs at the end
+            searched = await asyncio.gather(*(self._beam_search(request, job.beam) for request in job.requests))
+            for index, out in enumerate(searched):
+                self.metrics.record_finished(out)
+                yield index, out
+            return
         if len(job.requests) == 1:  # the usual job: read its stream here, without a task and a queue between
             async with aclosing(self.llm.stream(job.requests[0])) as outputs:
                 async for out in outputs:
@@ -211,6 +226,40 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def _beam_search(self, request: ProcessedRequest, params: BeamSearchParams) -> RequestOutput:
+        """The request's prompt searched with `params` (see engine/beam_search.py), its hypotheses as the samples
+        of one output; every round's beams run as requests of their own, together."""
+        prompt = request.prompt_token_ids
+        rounds = search_rounds([prompt], params, self.llm.input_processor.eos_token_ids, self.llm.max_model_len, None)
+        beam_params = round_params(params)
+
+        async def final(ids: list[int], request_id: str) -> RequestOutput:
+            processed = self.llm.input_processor.process(ids, beam_params, request_id)
+            async with aclosing(self.llm.stream(processed)) as outputs:
+                async for out in outputs:
+                    if out.finished:
+                        return out
+            raise AssertionError("a request's stream ended before its final output")
+
+        try:
+            asked = next(rounds)
+            for number in itertools.count():
+                names = (f"{request.request_id}-beam{number}-{i}" for i in range(len(asked)))
+                asked = rounds.send(list(await asyncio.gather(*map(final, asked, names))))
+        except StopIteration as finished:
+            hypotheses = finished.value[0].sequences
+        samples = [
+            CompletionOutput(
+                index,
+                self._decode(h.tokens[len(prompt) :]),
+                h.tokens[len(prompt) :],
+                h.finish_reason,
+                cumulative_logprob=h.cum_logprob,
+            )
+            for index, h in enumerate(hypotheses)
+        ]
+        return RequestOutput(request.request_id, None, prompt, samples, finished=True)
 
     async def _finals(self, job: Job) -> list[RequestOutput]:
         finals: dict[int, RequestOutput] = {}
