@@ -1,7 +1,7 @@
 """Beam search over the engine (vLLM's `LLM.beam_search`): each round asks every live beam for one greedy token
 with the log-probabilities of its 2 x beam_width likeliest next tokens, extends each beam by each of them, and keeps
-the beam_width likeliest extensions of each prompt; an extension ending in EOS is a finished hypothesis. The prompts
-of a round share their prefixes with the round before, so prefix caching computes only their new tokens. After
+the beam_width likeliest extensions of each prompt; an extension ending in EOS is a finished hypothesis. A round's
+prompts extend the round before's, so prefix caching recomputes only the tokens past their last full block. After
 max_tokens rounds (or when no beam is left) the finished hypotheses and the live beams are ranked by their
 cumulative log-probability over generated_length ** length_penalty (the EOS not counted), as in HF transformers.
 """
