@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pagellm.errors import InvalidParameter, invalid_value
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs: the most top tokens a request may ask for per position
 
 
 class RequestOutputKind(enum.Enum):
@@ -130,14 +131,14 @@ class SamplingParams:
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "an integer >= 0"),
             (
                 "logprobs",
-                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
-                "None or an integer in [0, 20]",
+                self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+                f"None or an integer in [0, {MAX_LOGPROBS}]",
             ),
             (
                 "prompt_logprobs",
                 self.prompt_logprobs is None
-                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= 20),
-                "None or an integer in [0, 20]",
+                or (isinstance(self.prompt_logprobs, int) and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+                f"None or an integer in [0, {MAX_LOGPROBS}]",
             ),
             (
                 "truncate_prompt_tokens",

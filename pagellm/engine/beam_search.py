@@ -12,11 +12,11 @@ import math
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
 
-from pagellm.errors import InvalidParameter
+from pagellm.errors import invalid_value
 from pagellm.outputs import Logprob, RequestOutput
-from pagellm.sampling_params import SamplingParams
+from pagellm.sampling_params import MAX_LOGPROBS, SamplingParams
 
-MAX_BEAM_WIDTH = 10  # each round asks 2 x beam_width log-probabilities; a request may ask at most 20
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # each round asks for 2 x beam_width log-probabilities
 
 
 @dataclass(frozen=True)
@@ -27,14 +27,22 @@ class BeamSearchParams:
     length_penalty: float = 1.0  # > 0 favours longer hypotheses, < 0 shorter ones
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_BEAM_WIDTH):
-            raise InvalidParameter(
-                "beam_width", f"beam_width={self.beam_width!r}: must be an integer from 1 to {MAX_BEAM_WIDTH}"
-            )
-        if not (isinstance(self.max_tokens, int) and self.max_tokens >= 1):
-            raise InvalidParameter("max_tokens", f"max_tokens={self.max_tokens!r}: must be an integer >= 1")
-        if not (isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty)):
-            raise InvalidParameter("length_penalty", f"length_penalty={self.length_penalty!r}: must be a finite number")
+        checks = [
+            (
+                "beam_width",
+                isinstance(self.beam_width, int) and 1 <= self.beam_width <= MAX_BEAM_WIDTH,
+                f"an integer in [1, {MAX_BEAM_WIDTH}]",
+            ),
+            ("max_tokens", isinstance(self.max_tokens, int) and self.max_tokens >= 1, "an integer >= 1"),
+            (
+                "length_penalty",
+                isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty),
+                "a finite number",
+            ),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise invalid_value(name, getattr(self, name), allowed)
 
 
 @dataclass
