@@ -1,6 +1,7 @@
 """Where a decode step's time goes on the GPU: wall time per engine step against the GPU kernel time inside it
-(the gap is host work the GPU waits for), the kernels that take the most time and, for the host's side, the
-operators with the most CPU time of their own.
+(the gap is host work the GPU waits for), the kernels that take the most time, each kernel's share of the GPU's
+timeline (`critical_path`: under PDL a kernel starts while the one before it runs, so its duration overstates what it
+costs) and, for the host's side, the operators with the most CPU time of their own.
 
     python benchmarks/profile_step.py --model Qwen3-0.6B --batch 1 --context 128
     python benchmarks/profile_step.py --model Qwen3-0.6B --prefill --context 128   # time to first token
@@ -48,6 +49,27 @@ from pagellm import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def critical_path(prof: profile, steps: int) -> list[dict]:
+    """Per kernel name, how far its launches moved the end of the GPU's work (a launch that ends by the time an
+    earlier one ends moves it by nothing), per step; "(idle)" is the time no kernel ran. The rows sum to the GPU
+    timeline's span."""
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
+    shares: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
+    busy_until = kernels[0].time_range.start if kernels else 0.0
+    for e in kernels:
+        start, end = e.time_range.start, e.time_range.end
+        if start > busy_until:
+            shares["(idle)"][0] += start - busy_until
+        shares[e.name[:90]][0] += max(0.0, end - max(start, busy_until))
+        shares[e.name[:90]][1] += 1
+        busy_until = max(busy_until, end)
+    rows = [{"name": name, "us_per_step": us / steps, "calls_per_step": n / steps} for name, (us, n) in shares.items()]
+    return sorted(rows, key=lambda r: -r["us_per_step"])
 
 
 @contextlib.contextmanager
@@ -238,6 +260,7 @@ def main() -> None:
             }
             for e in top
         ],
+        "critical_path": critical_path(prof, args.steps)[:15],
         "top_host_ops": [
             {
                 "name": e.key[:90],
@@ -262,6 +285,9 @@ def main() -> None:
         f"{gpu_ms:.3f} ms/step, {launches:.0f} kernels/step, {result['tok_s']:.0f} tok/s"
     )
     for k in result["top_kernels"]:
+        print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}")
+    print("each kernel's share of the GPU timeline (how far it moved the end of the GPU's work):")
+    for k in result["critical_path"]:
         print(f"  {k['us_per_step']:9.1f} us  x{k['calls_per_step']:5.1f}  {k['name']}")
     print("host operators (their own CPU time, profiler overhead included):")
     for k in result["top_host_ops"]:

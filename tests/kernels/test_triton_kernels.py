@@ -234,12 +234,21 @@ def test_silu_and_mul(dtype, tokens, intermediate):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("n,k", [(37, 300), (1000, 64), (16400, 520)])  # ragged tiles; the wide-N config
-def test_gemv(dtype, n, k):
+@pytest.mark.parametrize(
+    "n,k,tiles",
+    [
+        (37, 300, None),  # whole rows (small weights), ragged
+        (1000, 64, None),
+        (5, 5000, None),  # whole rows, one per program
+        (300, 1100, Tiles(8, 512, 4, 4)),  # streamed in tiles (large weights), ragged
+        (16400, 520, None),  # the wide-N (LM head) config
+    ],
+)
+def test_gemv(dtype, n, k, tiles):
     gen = torch.Generator().manual_seed(n + k)
     x = torch.randn(1, k, generator=gen).to(DEVICE, dtype)
     weight = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
-    out = gemv(x, weight)
+    out = gemv(x, weight, tiles)
     assert out.shape == (1, n) and out.dtype == dtype
     assert rel_err(out, x.double() @ weight.double().T) < TOL[dtype]
 
