@@ -10,10 +10,7 @@ runs (or two machines) of the same code they move by more than the few percent s
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -21,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import environment, markdown_table, write_results  # noqa: E402
+from benchmarks.common import environment, markdown_table, run_in_tree, write_results  # noqa: E402
 
 # One process: the measures of one model with one version of pagellm (first on PYTHONPATH), printed as JSON.
 CHILD = """
@@ -52,27 +49,7 @@ print("RESULT " + json.dumps(out))
 
 
 def measure(tree: Path, model: str, throughput: bool, batches: list[int], quantization: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{ROOT}")
-    proc = subprocess.run(
-        # -P: `python -c` would put the working directory (this tree) on sys.path ahead of PYTHONPATH, so that the
-        # baseline's side imported this tree's pagellm too.
-        [
-            sys.executable,
-            "-P",
-            "-c",
-            CHILD,
-            model,
-            "1" if throughput else "0",
-            ",".join(map(str, batches)),
-            quantization,
-        ],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    return json.loads(proc.stdout.split("RESULT ")[-1])
+    return run_in_tree(tree, CHILD, [model, "1" if throughput else "0", ",".join(map(str, batches)), quantization])
 
 
 def main() -> None:

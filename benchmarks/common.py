@@ -9,6 +9,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -96,6 +97,19 @@ def markdown_table(rows: list[dict], columns: list[str]) -> str:
         cells = [_cell(row.get(c, "")) for c in columns]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def run_in_tree(tree: Path, source: str, args: list[str]) -> dict:
+    """Run `source` in a fresh Python process that imports pagellm from `tree` (a package directory's parent) and
+    the benchmarks from this checkout, and return the JSON it printed after "RESULT "."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PYTHONPATH=f"{tree}{os.pathsep}{root}")
+    # -P: `python -c` would put the working directory (this checkout) on sys.path ahead of PYTHONPATH, so that
+    # another tree's side imported this checkout's pagellm too.
+    proc = subprocess.run(
+        [sys.executable, "-P", "-c", source, *args], env=env, cwd=root, capture_output=True, text=True, check=True
+    )
+    return json.loads(proc.stdout.split("RESULT ")[-1])
 
 
 def write_results(name: str, payload: dict, table: str) -> Path:

@@ -33,7 +33,7 @@ import json
 import pstats
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -51,13 +51,12 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def critical_path(prof: profile, steps: int) -> list[dict]:
-    """Per kernel name, how far its launches moved the end of the GPU's work (a launch that ends by the time an
-    earlier one ends moves it by nothing), per step; "(idle)" is the time no kernel ran. The rows sum to the GPU
-    timeline's span."""
+def critical_path(events: Iterable, steps: int) -> list[dict]:
+    """Per kernel name, how far its launches among the profiler's `events` moved the end of the GPU's work (a
+    launch that ends by the time an earlier one ends moves it by nothing), per step; "(idle)" is the time no kernel
+    ran. The rows sum to the GPU timeline's span."""
     kernels = sorted(
-        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-        key=lambda e: e.time_range.start,
+        (e for e in events if e.device_type == torch.autograd.DeviceType.CUDA), key=lambda e: e.time_range.start
     )
     shares: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
     busy_until = kernels[0].time_range.start if kernels else 0.0
@@ -260,7 +259,7 @@ def main() -> None:
             }
             for e in top
         ],
-        "critical_path": critical_path(prof, args.steps)[:15],
+        "critical_path": critical_path(prof.events(), args.steps)[:15],
         "top_host_ops": [
             {
                 "name": e.key[:90],

@@ -24,3 +24,12 @@ def test_results_stay_under_results_without_out(tmp_path, monkeypatch):
     path = common.write_results("probe", {"rows": []}, "")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["results"]
     assert path.exists() and path.with_suffix(".md").exists()
+
+
+def test_a_tree_run_imports_that_trees_package(tmp_path):
+    """ab.py and gemv_rules.py compare packages: the child must import the given tree's pagellm, not this
+    checkout's (which `python -c` would put first on sys.path without -P)."""
+    (tmp_path / "pagellm").mkdir()
+    (tmp_path / "pagellm" / "__init__.py").write_text("WHICH = 'tree'\n")
+    source = "import json, sys, pagellm\nprint('noise'); print('RESULT ' + json.dumps([pagellm.WHICH, sys.argv[1:]]))"
+    assert common.run_in_tree(tmp_path, source, ["a", "b"]) == ["tree", ["a", "b"]]
