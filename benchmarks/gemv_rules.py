@@ -4,7 +4,7 @@ the GPU timeline (`profile_step.critical_path`). Kernel sweeps (`matmul_sweep.py
 PDL a GEMV's cost depends on what it overlaps, so rules are compared here in whole decode steps.
 
     python benchmarks/gemv_rules.py --model Qwen3-0.6B --rules current whole4096 whole16384 narrow4
-    python benchmarks/gemv_rules.py --rules current --tree base=.devcarry/base   # another package, same rule
+    python benchmarks/gemv_rules.py --rules current --tree before=/tmp/base   # /tmp/base/pagellm, same rule
 
 A rule applies to the weights it names (`SMALL`: up to `gemv.SMALL_WEIGHT` elements; `ALL`: every weight but the
 LM head, n > 16384); the others keep `gemv_tiles`' tiles.
