@@ -231,12 +231,12 @@ class OpenAIServing:
         """The request's prompt searched with `params` (see engine/beam_search.py), its hypotheses as the samples
         of one output; every round's beams run as requests of their own, together."""
         prompt = request.prompt_token_ids
-        rounds = search_rounds([prompt], params, self.llm.input_processor.eos_token_ids, self.llm.max_model_len, None)
+        eos = self.llm.input_processor.eos_token_ids
+        rounds = search_rounds([prompt], params, eos, self.llm.max_model_len, self._decode)
         beam_params = round_params(params)
 
         async def final(ids: list[int], request_id: str) -> RequestOutput:
-            processed = self.llm.input_processor.process(ids, beam_params, request_id)
-            async with aclosing(self.llm.stream(processed)) as outputs:
+            async with aclosing(self.llm.generate(ids, beam_params, request_id)) as outputs:
                 async for out in outputs:
                     if out.finished:
                         return out
@@ -252,7 +252,7 @@ class OpenAIServing:
         samples = [
             CompletionOutput(
                 index,
-                self._decode(h.tokens[len(prompt) :]),
+                h.text,
                 h.tokens[len(prompt) :],
                 h.finish_reason,
                 cumulative_logprob=h.cum_logprob,
