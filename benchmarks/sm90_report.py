@@ -97,7 +97,14 @@ def main_loop_mix(listing: str) -> collections.Counter:
 
 
 def decode_report(
-    batch: int, context: int, int8: bool, block_n: int | None, warps: int, stages: int, split: int | None
+    batch: int,
+    context: int,
+    int8: bool,
+    block_n: int | None,
+    warps: int,
+    stages: int,
+    split: int | None,
+    new_tokens: bool = False,
 ) -> dict:
     block = 16
     kv_dtype = torch.int8 if int8 else torch.bfloat16
@@ -108,6 +115,12 @@ def decode_report(
     tile = block_n or decode_attention.decode_tile(int8, batch, block)
     # The engine's split, rounded up to a multiple of a tile given here.
     split = split or -(-decode_attention.split_size_for(context, batch, int8, block) // tile) * tile
+    new = None
+    if new_tokens:  # a pure-decode step's variant: RoPE (with Qwen3's norms) and the KV write inside
+        rows = torch.zeros(batch, 8, 128, dtype=torch.bfloat16)
+        positions, norm = torch.zeros(batch, dtype=torch.int64), torch.ones(128, dtype=torch.bfloat16)
+        cos_sin = torch.zeros(context, 128)
+        new = decode_attention.NewTokens(rows, rows, positions, positions, cos_sin, norm, norm, 1e-6)
     launches = []
 
     def intercept(self, *args, grid, warmup, **kwargs):
@@ -132,6 +145,7 @@ def decode_report(
             block_n=block_n,
             num_warps=warps,
             num_stages=stages,
+            new_tokens=new,
         )
     partial = launches[0]
     report = resources(partial)
@@ -188,6 +202,7 @@ def main() -> None:
     parser.add_argument("--warps", type=int, default=4)
     parser.add_argument("--stages", type=int, default=2)
     parser.add_argument("--split", type=int)
+    parser.add_argument("--new-tokens", action="store_true", help="the pure-decode variant (RoPE and KV write inside)")
     parser.add_argument("--quant", choices=["int4", "fp8"], help="report the quantized-weight matmul instead")
     parser.add_argument("--rows", type=int, default=1, help="--quant: activation rows")
     parser.add_argument("--shape", type=int, nargs=2, default=[6144, 4096], metavar=("N", "K"), help="--quant")
@@ -198,7 +213,9 @@ def main() -> None:
         tiles = quant_matmul.Tiles(*args.tiles) if args.tiles else None
         report = quant_report(args.quant, args.rows, *args.shape, tiles)
     else:
-        report = decode_report(args.batch, args.context, args.int8, args.block_n, args.warps, args.stages, args.split)
+        report = decode_report(
+            args.batch, args.context, args.int8, args.block_n, args.warps, args.stages, args.split, args.new_tokens
+        )
     if args.json:
         print(json.dumps(report))
         return

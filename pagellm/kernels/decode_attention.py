@@ -12,14 +12,22 @@ else is batched within each of the two classes, and with the grid sized for max_
 stays valid. INT8 K/V are dequantized by folding the per-token scales into the scores (K) and the probabilities
 (V); values are converted to fp16 tile by tile (exact), while q @ k^T runs on int8 tensor cores with the query
 split into two int8 halves, about fp16's precision (fp32 queries keep fp32 products); see `paged_kv`.
+
+In pure-decode steps of a few sequences (`NewTokens`, `NEW_TOKENS_BATCHES`) stage 1 also does `kv_write`'s work,
+which saves a dependent launch per layer: each program rotates its head group's queries (after Qwen3's q_norm) in
+registers, and the program whose split holds the newest token rotates and stores that token's key and value heads
+before it reads its tiles.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from pagellm.kernels.kv_write import rotated_heads, store_kv_heads
 from pagellm.kernels.paged_kv import (
     accumulate,
     asm_conversions,
@@ -46,6 +54,34 @@ INT8_DOT_REGISTERS = 128
 MAX_SPLITS = 64
 
 
+class NewTokens(NamedTuple):
+    """A pure-decode step's new tokens, one per sequence, for the decode kernel to rotate and store itself (what
+    `kv_write.rope_and_write_kv` does otherwise): key and value rows [B, Hkv, D] (views with a contiguous last
+    dim), positions and cache slots [B] (-1: padding, not stored), the rotary table and Qwen3's per-head norms."""
+
+    key: torch.Tensor
+    value: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin_cache: torch.Tensor
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
+    eps: float = 0.0
+
+
+# Pure-decode batches whose decode kernel takes `NewTokens` (H100, same run, results/ab-decode-rope-2026-12-07):
+# Qwen3-0.6B decoded 2.2% faster at 16 sequences; at one (launched with PDL, where the separate kernel's launch hides
+# behind the GEMV before it) 1.1% slower: the work added before the tile loads cost more than the launch it saved.
+# Larger batches are not measured yet and keep the separate kernel.
+NEW_TOKENS_BATCHES = range(2, 17)
+
+
+def rotates_new_tokens(head_dim: int, num_seqs: int) -> bool:
+    """Whether a pure-decode step of `num_seqs` sequences hands its new tokens to the decode kernel
+    (`NEW_TOKENS_BATCHES`): it can for power-of-two head sizes, whose rotated halves are joined in registers."""
+    return num_seqs in NEW_TOKENS_BATCHES and head_dim == triton.next_power_of_2(head_dim)
+
+
 def decode_tile(kv_int8: bool, num_seqs: int, block_size: int) -> int:
     """Context tokens per tile: the tuned tile, or one whole cache block where blocks are larger."""
     return max(BLOCK_N[kv_int8, num_seqs <= SMALL_BATCH], block_size)
@@ -57,6 +93,45 @@ def split_size_for(max_model_len: int, num_seqs: int, kv_int8: bool, block_size:
     size = max(MIN_SPLIT[kv_int8, num_seqs <= SMALL_BATCH], -(-max_model_len // MAX_SPLITS))
     tile = decode_tile(kv_int8, num_seqs, block_size)
     return -(-size // tile) * tile
+
+
+@triton.jit
+def _rotate_new_token(
+    q_ptr, k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr, v_cache_ptr,
+    k_scale_ptr, v_scale_ptr, seq, kv_head, store, stride_qt, stride_qh, stride_knt, stride_knh, stride_vnt,
+    stride_vnh, stride_c, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, stride_sb,
+    stride_ss, stride_sh, eps,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    KV_INT8: tl.constexpr, NORM: tl.constexpr,
+):  # fmt: skip
+    """The head group's queries [BLOCK_G, HEAD_DIM] rotated as `kv_write` rotates them (the same roundings); with
+    `store`, the sequence's new key and value heads of `kv_head` are stored in the cache first, visible to this
+    program's tile loads."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pos = tl.load(pos_ptr + seq)
+    d = tl.arange(0, HALF)[None, :]
+    cos = tl.load(cos_sin_ptr + pos * stride_c + d)
+    sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + d)
+    q1, q2, _q_rows, _q_mask = rotated_heads(
+        q_ptr + seq * stride_qt + kv_head * GROUP * stride_qh, stride_qh, GROUP, cos, sin, q_norm_ptr, eps,
+        HALF, BLOCK_G, HALF, NORM,
+    )  # fmt: skip
+    if store:
+        # Two rows of which one is the head: a one-row tile is a corner case the compiler need not handle.
+        k1, k2, _k_rows, _k_mask = rotated_heads(  # names apart from q's: Triton types a name once
+            k_new_ptr + seq * stride_knt + kv_head * stride_knh, stride_knh, 1, cos, sin, k_norm_ptr, eps,
+            HALF, 2, HALF, NORM,
+        )  # fmt: skip
+        store_kv_heads(
+            k1, k2, v_new_ptr + seq * stride_vnt + kv_head * stride_vnh, stride_vnh, kv_head, 1,
+            tl.load(slot_ptr + seq), k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, stride_kb, stride_ks,
+            stride_kh, stride_vb, stride_vs, stride_vh, stride_vd, stride_sb, stride_ss, stride_sh, BLOCK_SIZE,
+            HALF, 2, HALF, KV_INT8,
+        )  # fmt: skip
+        tl.debug_barrier()  # the stores above reach the threads that load the newest tile
+    # [BLOCK_G, HALF] x 2 -> [BLOCK_G, 2, HALF] -> each row's halves side by side, as q is laid out
+    q = tl.reshape(tl.permute(tl.join(q1, q2), (0, 2, 1)), (BLOCK_G, HEAD_DIM))
+    return q.to(q_ptr.dtype.element_ty)
 
 
 @triton.jit(do_not_specialize=["stride_bt"])
@@ -90,6 +165,19 @@ def _decode_partial_kernel(
     stride_lh,
     sm_scale,
     split_size,
+    k_new_ptr,
+    v_new_ptr,
+    pos_ptr,
+    slot_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    stride_knt,
+    stride_knh,
+    stride_vnt,
+    stride_vnh,
+    stride_c,
+    eps,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -100,6 +188,8 @@ def _decode_partial_kernel(
     IEEE: tl.constexpr,
     ASM_CVT: tl.constexpr,
     INT8_DOT: tl.constexpr,
+    ROPE: tl.constexpr,
+    NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_inputs(PDL)  # before the empty splits' return too: every program waits
@@ -117,11 +207,20 @@ def _decode_partial_kernel(
     g_mask = g < GROUP
     d = tl.arange(0, BLOCK_D)
     d_mask = d < HEAD_DIM
-    q = tl.load(
-        q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
-        mask=g_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    )
+    if ROPE:
+        q = _rotate_new_token(
+            q_ptr, k_new_ptr, v_new_ptr, pos_ptr, slot_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, k_cache_ptr,
+            v_cache_ptr, k_scale_ptr, v_scale_ptr, seq, kv_head, end == seq_len, stride_qt, stride_qh, stride_knt,
+            stride_knh, stride_vnt, stride_vnh, stride_c, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, stride_vd, stride_sb, stride_ss, stride_sh, eps,
+            GROUP, BLOCK_G, HEAD_DIM, BLOCK_SIZE, KV_INT8, NORM,
+        )  # fmt: skip
+    else:
+        q = tl.load(
+            q_ptr + seq * stride_qt + heads[:, None] * stride_qh + d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
     if INT8_DOT:
         q_hi, q_lo, q_scale = split_query_int8(q, sm_scale)
     q = query_operand(q, sm_scale, KV_INT8)  # with INT8_DOT only its dtype is used: the one values convert to
@@ -233,9 +332,12 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    new_tokens: NewTokens | None = None,
 ) -> torch.Tensor:
     """q [B, H, D] (one token per sequence) over paged K/V; returns [B, H, D]. The grid covers `max_seq_len`
-    (pass max_model_len under CUDA-graph capture); splits past a sequence's end exit at once."""
+    (pass max_model_len under CUDA-graph capture); splits past a sequence's end exit at once. With `new_tokens`
+    (head_dim a power of two), q is taken before RoPE and left as it is, and the new keys and
+    values are rotated and stored here: the cache need hold only each sequence's tokens before its new one."""
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -253,6 +355,7 @@ def paged_decode_attention(
     pdl = launch_early(q, batch)
     if split_size <= block_n:
         num_stages = 1  # one tile per program: nothing to pipeline, and a pipeline's prologue costs time
+    new = _new_token_arguments(new_tokens, q)
     _decode_partial_kernel[(batch, num_kv_heads, num_splits)](
         q,
         key_cache,
@@ -274,6 +377,7 @@ def paged_decode_attention(
         part_lse.stride(1),
         scale,
         split_size,
+        *new,
         GROUP=group,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
@@ -284,6 +388,8 @@ def paged_decode_attention(
         IEEE=ieee,
         ASM_CVT=asm_conversions(q),
         INT8_DOT=int8_dot,
+        ROPE=new_tokens is not None,
+        NORM=new_tokens is not None and new_tokens.q_norm is not None,
         num_warps=num_warps,
         num_stages=num_stages,
         maxnreg=INT8_DOT_REGISTERS if int8_dot else None,
@@ -310,3 +416,27 @@ def paged_decode_attention(
         launch_pdl=pdl,
     )
     return out
+
+
+def _new_token_arguments(new_tokens: NewTokens | None, q: torch.Tensor) -> tuple:
+    """The partial kernel's new-token arguments (k_new_ptr .. eps); unused stand-ins without `new_tokens`."""
+    if new_tokens is None:
+        return (q, q, q, q, q, q, q, 0, 0, 0, 0, 0, 0.0)
+    if q.shape[-1] != triton.next_power_of_2(q.shape[-1]):
+        raise ValueError(f"new_tokens needs a power-of-two head_dim, got {q.shape[-1]}")
+    key, value = new_tokens.key, new_tokens.value
+    norms = (new_tokens.q_norm, new_tokens.k_norm) if new_tokens.q_norm is not None else (q, q)
+    return (
+        key,
+        value,
+        new_tokens.positions,
+        new_tokens.slot_mapping,
+        new_tokens.cos_sin_cache,
+        *norms,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        new_tokens.cos_sin_cache.stride(0),
+        new_tokens.eps,
+    )

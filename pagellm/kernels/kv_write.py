@@ -5,6 +5,7 @@ is int8 (one absmax scale per token per KV head; round half up, like `reference.
 
 The frequencies (plain, 'linear' or 'llama3'-scaled) live in `cos_sin_cache` [max_pos, D] (cos | sin halves), so
 one kernel serves every variant. The twin is `reference.rms_norm` / `reference.apply_rope` / `reference.write_kv`.
+The decode attention kernel uses the same helpers to do this work itself in pure-decode steps (`decode_attention`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pagellm.kernels.pdl import launch_early, wait_for_inputs
 
 
 @triton.jit
-def _rotated_heads(
+def rotated_heads(
     ptr, stride_h, num_heads, cos, sin, norm_weight_ptr, eps,
     HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NORM: tl.constexpr,
 ):  # fmt: skip
@@ -56,6 +57,44 @@ def _int8_rows(x, scale):
 
 
 @triton.jit
+def store_kv_heads(
+    k1, k2, v_ptr, stride_vh, head0, num_heads, slot, key_cache_ptr, value_cache_ptr, key_scale_ptr, value_scale_ptr,
+    stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_vd, stride_sb, stride_ss, stride_sh,
+    block_size, HALF: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, QUANT: tl.constexpr,
+):  # fmt: skip
+    """Store a token's rotated key heads (halves k1, k2 [BLOCK_H, BLOCK_HALF]) and its value heads (read at v_ptr,
+    `stride_vh` apart) as the cache's heads head0..head0 + num_heads - 1 at `slot`; slot -1 (a padding token of a
+    CUDA-graph batch) stores nothing."""
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_HALF)[None, :]
+    mask = (h < num_heads) & (d < HALF)
+    v1 = tl.load(v_ptr + h * stride_vh + d, mask=mask, other=0.0).to(tl.float32)
+    v2 = tl.load(v_ptr + h * stride_vh + HALF + d, mask=mask, other=0.0).to(tl.float32)
+    keep = mask & (slot >= 0)
+    block = slot // block_size
+    offset = slot % block_size
+    k_dst = key_cache_ptr + block * stride_kb + offset * stride_ks + (head0 + h) * stride_kch + d
+    v_dst = value_cache_ptr + block * stride_vb + offset * stride_vs + (head0 + h) * stride_vch + d * stride_vd
+    if QUANT:
+        k_scale = _int8_scales(k1, k2)
+        v_scale = _int8_scales(v1, v2)
+        tl.store(k_dst, _int8_rows(k1, k_scale[:, None]), mask=keep)
+        tl.store(k_dst + HALF, _int8_rows(k2, k_scale[:, None]), mask=keep)
+        tl.store(v_dst, _int8_rows(v1, v_scale[:, None]), mask=keep)
+        tl.store(v_dst + HALF * stride_vd, _int8_rows(v2, v_scale[:, None]), mask=keep)
+        heads = tl.arange(0, BLOCK_H)
+        scale_dst = block * stride_sb + offset * stride_ss + (head0 + heads) * stride_sh
+        head_keep = (heads < num_heads) & (slot >= 0)
+        tl.store(key_scale_ptr + scale_dst, k_scale, mask=head_keep)
+        tl.store(value_scale_ptr + scale_dst, v_scale, mask=head_keep)
+    else:
+        tl.store(k_dst, k1.to(key_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(k_dst + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_dst, v1.to(value_cache_ptr.dtype.element_ty), mask=keep)
+        tl.store(v_dst + HALF * stride_vd, v2.to(value_cache_ptr.dtype.element_ty), mask=keep)
+
+
+@triton.jit
 def _rope_write_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, key_cache_ptr, value_cache_ptr,
     key_scale_ptr, value_scale_ptr, slot_ptr,
@@ -71,41 +110,20 @@ def _rope_write_kv_kernel(
     d = tl.arange(0, BLOCK_HALF)[None, :]
     cos = tl.load(cos_sin_ptr + pos * stride_c + d, mask=d < HALF, other=0.0)
     sin = tl.load(cos_sin_ptr + pos * stride_c + HALF + d, mask=d < HALF, other=0.0)
-    q1, q2, q_base, q_mask = _rotated_heads(
+    q1, q2, q_base, q_mask = rotated_heads(
         q_ptr + token * stride_qt, stride_qh, num_q_heads, cos, sin, q_norm_ptr, eps, HALF, BLOCK_HQ, BLOCK_HALF, NORM
     )
     tl.store(q_base, q1.to(q_ptr.dtype.element_ty), mask=q_mask)
     tl.store(q_base + HALF, q2.to(q_ptr.dtype.element_ty), mask=q_mask)
-    k1, k2, _, kv_mask = _rotated_heads(
+    k1, k2, _, _ = rotated_heads(
         k_ptr + token * stride_kt, stride_kh, num_kv_heads, cos, sin, k_norm_ptr, eps, HALF, BLOCK_HK, BLOCK_HALF, NORM
     )
-    h = tl.arange(0, BLOCK_HK)[:, None]
-    v_src = v_ptr + token * stride_vt + h * stride_vh + d
-    v1 = tl.load(v_src, mask=kv_mask, other=0.0).to(tl.float32)
-    v2 = tl.load(v_src + HALF, mask=kv_mask, other=0.0).to(tl.float32)
     slot = tl.load(slot_ptr + token)
-    keep = kv_mask & (slot >= 0)  # slot -1: a padding token (CUDA-graph batches), rotated but not stored
-    block = slot // block_size
-    offset = slot % block_size
-    k_dst = key_cache_ptr + block * stride_kb + offset * stride_ks + h * stride_kch + d
-    v_dst = value_cache_ptr + block * stride_vb + offset * stride_vs + h * stride_vch + d * stride_vd
-    if QUANT:
-        k_scale = _int8_scales(k1, k2)
-        v_scale = _int8_scales(v1, v2)
-        tl.store(k_dst, _int8_rows(k1, k_scale[:, None]), mask=keep)
-        tl.store(k_dst + HALF, _int8_rows(k2, k_scale[:, None]), mask=keep)
-        tl.store(v_dst, _int8_rows(v1, v_scale[:, None]), mask=keep)
-        tl.store(v_dst + HALF * stride_vd, _int8_rows(v2, v_scale[:, None]), mask=keep)
-        heads = tl.arange(0, BLOCK_HK)
-        scale_dst = block * stride_sb + offset * stride_ss + heads * stride_sh
-        head_keep = (heads < num_kv_heads) & (slot >= 0)
-        tl.store(key_scale_ptr + scale_dst, k_scale, mask=head_keep)
-        tl.store(value_scale_ptr + scale_dst, v_scale, mask=head_keep)
-    else:
-        tl.store(k_dst, k1.to(key_cache_ptr.dtype.element_ty), mask=keep)
-        tl.store(k_dst + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=keep)
-        tl.store(v_dst, v1.to(value_cache_ptr.dtype.element_ty), mask=keep)
-        tl.store(v_dst + HALF * stride_vd, v2.to(value_cache_ptr.dtype.element_ty), mask=keep)
+    store_kv_heads(
+        k1, k2, v_ptr + token * stride_vt, stride_vh, 0, num_kv_heads, slot, key_cache_ptr, value_cache_ptr,
+        key_scale_ptr, value_scale_ptr, stride_kb, stride_ks, stride_kch, stride_vb, stride_vs, stride_vch, stride_vd,
+        stride_sb, stride_ss, stride_sh, block_size, HALF, BLOCK_HK, BLOCK_HALF, QUANT,
+    )  # fmt: skip
 
 
 def rope_and_write_kv(

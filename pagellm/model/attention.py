@@ -173,7 +173,8 @@ class TorchAttentionBackend:
 
 class TritonAttentionBackend:
     """GPU backend: Triton RoPE with the KV write (with INT8 quantization) in one kernel, split-KV decode for the
-    leading one-token sequences, and paged prefill attention for the rest of the batch."""
+    leading one-token sequences, and paged prefill attention for the rest of the batch. Pure-decode steps of a few
+    sequences leave the RoPE and the KV write to the decode kernel."""
 
     name = "triton"
 
@@ -196,12 +197,20 @@ class TritonAttentionBackend:
         metadata: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        self._kv_write.rope_and_write_kv(
-            q, k, v, rotation.positions, rotation.cos_sin_cache, cache.key, cache.value, metadata.slot_mapping,
-            cache.key_scale, cache.value_scale, rotation.q_norm, rotation.k_norm, rotation.eps,
-        )  # fmt: skip
-        out = torch.empty_like(q)
         n = metadata.num_decodes
+        new_tokens = None
+        if n == metadata.seq_lens.numel() and self._decode.rotates_new_tokens(q.shape[-1], n):
+            # A pure-decode step: the decode kernel rotates and stores the new tokens itself, one launch fewer.
+            new_tokens = self._decode.NewTokens(
+                k, v, rotation.positions, metadata.slot_mapping, rotation.cos_sin_cache,
+                rotation.q_norm, rotation.k_norm, rotation.eps,
+            )  # fmt: skip
+        else:
+            self._kv_write.rope_and_write_kv(
+                q, k, v, rotation.positions, rotation.cos_sin_cache, cache.key, cache.value, metadata.slot_mapping,
+                cache.key_scale, cache.value_scale, rotation.q_norm, rotation.k_norm, rotation.eps,
+            )  # fmt: skip
+        out = torch.empty_like(q)
         scales = (cache.key_scale, cache.value_scale)
         if n:
             # The grid is sized for max_model_len, as in the captured graphs: sized for this step's longest
@@ -219,6 +228,7 @@ class TritonAttentionBackend:
                 split,
                 *scales,
                 out=out[:n],
+                new_tokens=new_tokens,
             )
         if n < metadata.seq_lens.numel():
             self._prefill.paged_prefill_attention(

@@ -169,18 +169,19 @@ class ModelRunner:
     def _start_compiling(self) -> Compilation | None:
         """On CUDA, start compiling every Triton kernel that serving launches, so that none compiles mid-serving,
         all at once, and while the weights load (see `compile_ahead`): those of the longest step (a prefill chunk
-        beside decodes) and of a short prefill chunk, of one-row steps (the GEMV), of sampling (no logprobs: they
-        would index with samples never computed), and of pure-decode steps: of every CUDA-graph batch size, or in
-        eager mode of one batch per size class of the decode kernels. The passes run the first two decoder
-        layers only, on weights not loaded yet."""
+        beside decodes) and of a short prefill chunk alone and beside one or two decodes, of one-row steps (the
+        GEMV), of sampling (no logprobs: they would index with samples never computed), and of pure-decode steps:
+        of every CUDA-graph batch size, or in eager mode of one batch per kind of decode launch. The passes run the
+        first two decoder layers only, on weights not loaded yet."""
         if self.device.type != "cuda":
             return None
         from pagellm.kernels.compile_ahead import compile_ahead
-        from pagellm.kernels.decode_attention import SMALL_BATCH
+        from pagellm.kernels.decode_attention import NEW_TOKENS_BATCHES, SMALL_BATCH
 
         cfg = self.engine_config
-        if not self.use_cuda_graphs:
-            decode_batches = sorted({1, min(cfg.max_num_seqs, SMALL_BATCH + 1)})
+        if not self.use_cuda_graphs:  # a batch of each kind of decode launch: PDL, small or not, RoPE inside or not
+            kinds = (1, 2, SMALL_BATCH + 1, NEW_TOKENS_BATCHES.stop)
+            decode_batches = sorted({min(cfg.max_num_seqs, b) for b in kinds})
         else:
             decode_batches = capture_sizes(cfg.max_num_seqs)
         with compile_ahead() as compilation, self.model.first_layers_only():
@@ -188,6 +189,10 @@ class ModelRunner:
             self._warmup(self._longest_rows(), COMPILE_SAMPLING)
             for num_tokens in (16, 1):
                 self._warmup([self._dummy_row(num_tokens)], COMPILE_SAMPLING)
+            # Eager steps of one or two decodes beside a prefill chunk (16 tokens in all, as the pass above): their
+            # decode kernels read K/V that the RoPE kernel stored, unlike pure-decode steps' (NEW_TOKENS_BATCHES).
+            for num_decodes in (1, 2):
+                self._warmup([self._dummy_row(1) for _ in range(num_decodes)] + [self._dummy_row(16 - num_decodes)], ())
             for num_seqs in decode_batches:
                 self._warmup([self._dummy_row(1) for _ in range(num_seqs)], ())
         return compilation

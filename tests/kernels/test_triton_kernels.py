@@ -11,7 +11,7 @@ import torch
 from pagellm.kernels import reference
 from pagellm.kernels.activation import silu_and_mul
 from pagellm.kernels.bitmask import apply_token_bitmask
-from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for
+from pagellm.kernels.decode_attention import NewTokens, paged_decode_attention, split_size_for
 from pagellm.kernels.gemv import FEW_ROWS, Tiles, few_rows_matmul, gemv, rms_norm_gemv, silu_and_mul_gemv
 from pagellm.kernels.kv_write import rope_and_write_kv
 from pagellm.kernels.prefill_attention import paged_prefill_attention
@@ -118,6 +118,70 @@ def test_decode_attention_block_sizes(kv_int8, block_size):
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
     out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, 0.125, 1, *scales)
     assert rel_err(out, ref) < TOL[torch.float16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128)])
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk-norm+rope"])
+def test_decode_attention_rotates_new_tokens(dtype, kv_int8, heads, kv_heads, dim, qk_norm):
+    """With NewTokens the decode kernel rotates the queries and stores the new keys and values itself: the same
+    output and cache as the RoPE + KV-write kernel followed by the decode kernel, and as the torch reference."""
+    from pagellm.config import RopeConfig
+    from pagellm.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(heads * dim + kv_int8 + qk_norm)
+    block_size = 16
+    seq_lens = [1, 16, 17, 100, 300]  # the new token alone, at a block's end and start, in a later split
+    kv_dtype = torch.int8 if kv_int8 else dtype
+    key_cache, value_cache, scales, tables = fill_sequences(
+        seq_lens, block_size, 64, kv_heads, dim, dtype, kv_dtype, gen
+    )
+    cos_sin = RotaryEmbedding(dim, 4096, RopeConfig(theta=10000.0)).cos_sin_cache.to(DEVICE)
+    qkv = torch.randn(len(seq_lens), (heads + 2 * kv_heads) * dim, generator=gen).to(DEVICE, dtype)
+    q = qkv[:, : heads * dim].view(-1, heads, dim)
+    k = qkv[:, heads * dim : (heads + kv_heads) * dim].view(-1, kv_heads, dim)
+    v = qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    positions = (lens - 1).long()
+    slots = tables.gather(1, (positions // block_size)[:, None].long())[:, 0] * block_size + positions % block_size
+    slots[2] = -1  # a padding row: rotated, not stored
+    norms = tuple((1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE, dtype) for _ in range(2))
+    norms = norms if qk_norm else (None, None)
+    new = NewTokens(k, v, positions, slots, cos_sin, *norms, eps=1e-6)
+    split = split_size_for(2048, len(seq_lens), kv_int8, block_size)
+    q_before = q.clone()
+
+    def decode(q, cache, max_seq_len, new_tokens=None):
+        return paged_decode_attention(
+            q, *cache[:2], tables, lens, dim**-0.5, max_seq_len, split, *cache[2:], new_tokens=new_tokens
+        )
+
+    fused_cache, separate_cache = (
+        [x if x is None else x.clone() for x in (key_cache, value_cache, *scales)] for _ in "ab"
+    )
+    out = decode(q, fused_cache, max(seq_lens), new)
+    assert torch.equal(q, q_before)
+    # The torch reference over the cache the kernel wrote (equal to the KV-write kernel's: below).
+    ref_q = q.float()
+    if qk_norm:
+        ref_q = reference.rms_norm(q, norms[0], 1e-6)[0].float()
+    ref_q, _ = reference.apply_rope(ref_q, ref_q[:, :1], positions, cos_sin)
+    qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
+    key, value = (x if kv_int8 else x.float() for x in fused_cache[:2])
+    ref = reference.paged_attention(ref_q, key, value, tables, qsl, lens, dim**-0.5, 1, max(seq_lens), *fused_cache[2:])
+    assert rel_err(out, ref) < TOL[dtype]
+
+    rotated_q = q.clone()
+    rope_and_write_kv(
+        rotated_q, k, v, positions, cos_sin, *separate_cache[:2], slots, *separate_cache[2:], *norms, 1e-6
+    )
+    assert torch.equal(out, decode(rotated_q, separate_cache, max(seq_lens)))
+    for fused_part, separate_part in zip(fused_cache, separate_cache):
+        assert fused_part is None or torch.equal(fused_part, separate_part)
+    # A grid sized for a longer max length, as under CUDA-graph capture (the new tokens stored again; more splits
+    # merged, whose sum may round differently on the GPU than `out`'s).
+    assert torch.equal(decode(q, fused_cache, 2048, new), decode(rotated_q, separate_cache, 2048))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
