@@ -117,13 +117,7 @@ class SamplingFields(StrictModel):
         (temperature and the other sampling fields play no part); what it cannot go with is refused."""
         if not self.use_beam_search:
             return None
-        excluded = {
-            "stream": self.stream,
-            "logprobs": params.logprobs is not None,
-            "prompt_logprobs": params.prompt_logprobs is not None,
-            "structured outputs": params.structured_outputs is not None,
-        }
-        for name, requested in excluded.items():
+        for name, requested in self.beam_search_exclusions(params).items():
             if requested:
                 raise InvalidParameter("use_beam_search", f"use_beam_search: not available with {name}")
         try:
@@ -131,6 +125,15 @@ class SamplingFields(StrictModel):
         except InvalidParameter as exc:
             field = "n" if exc.param == "beam_width" else exc.param
             raise InvalidParameter(field, f"{field}: with use_beam_search, {exc}") from None
+
+    def beam_search_exclusions(self, params: SamplingParams) -> dict[str, bool]:
+        """The fields beam search cannot go with, and whether this request sets them."""
+        return {
+            "stream": self.stream,
+            "logprobs": params.logprobs is not None,
+            "prompt_logprobs": params.prompt_logprobs is not None,
+            "structured outputs": params.structured_outputs is not None,
+        }
 
     def sampling_params(
         self,
@@ -258,6 +261,9 @@ class CompletionRequest(SamplingFields):
     def prompt_only(self) -> bool:
         """max_tokens=0 with echo: the prompt alone (and its logprobs), as lm-evaluation-harness scores text."""
         return self.echo and self.max_tokens == 0
+
+    def beam_search_exclusions(self, params: SamplingParams) -> dict[str, bool]:
+        return {**super().beam_search_exclusions(params), "echo": self.echo}
 
     def to_sampling_params(self, defaults: Mapping[str, Any]) -> SamplingParams:
         if self.best_of is not None and self.best_of != self.n:

@@ -76,8 +76,6 @@ class OpenAIServing:
     def completion_job(self, req: CompletionRequest) -> Job:
         params = req.to_sampling_params(self.llm.default_sampling)
         beam = req.beam_search_params(params, self.llm.max_model_len)
-        if beam is not None and req.echo:
-            raise InvalidParameter("use_beam_search", "use_beam_search: not available with echo")
         prompts = req.prompts()
         ids = [self.llm.input_processor.tokenize(p, params.truncate_prompt_tokens) for p in prompts]
         if not req.prompt_only:
