@@ -184,6 +184,58 @@ def test_decode_attention_rotates_new_tokens(dtype, kv_int8, heads, kv_heads, di
     assert torch.equal(decode(q, fused_cache, 2048, new), decode(rotated_q, separate_cache, 2048))
 
 
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize(
+    "query_lens",
+    [[1], [1, 1, 1], [1, 1, 7]],
+    ids=["decode-1 (RoPE kernel)", "decode-3 (RoPE in the decode kernel)", "decodes beside a chunk"],
+)
+def test_triton_backend_step_equals_the_torch_backend(kv_int8, query_lens):
+    """A layer's whole attention step through the Triton backend (which picks where the RoPE and the KV write run)
+    against the torch backend: the same output and cache."""
+    from pagellm.config import RopeConfig
+    from pagellm.model.attention import AttentionMetadata, LayerKVCache, Rotation, get_backend
+    from pagellm.model.layers import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(len(query_lens) + sum(query_lens) + kv_int8)
+    heads, kv_heads, dim, block_size = 4, 2, 64, 16
+    seq_lens = [20, 5, 40][: len(query_lens)]
+    kv_dtype = torch.int8 if kv_int8 else torch.float32
+    key_cache, value_cache, scales, tables = fill_sequences(
+        seq_lens, block_size, 16, kv_heads, dim, torch.float32, kv_dtype, gen
+    )
+    positions = torch.cat([torch.arange(s - n, s) for s, n in zip(seq_lens, query_lens)]).to(DEVICE)
+    seq_of_token = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(query_lens)).to(DEVICE)
+    slots = tables[seq_of_token, positions // block_size].long() * block_size + positions % block_size
+    tokens = sum(query_lens)
+    metadata = AttentionMetadata(
+        slot_mapping=slots,
+        block_tables=tables,
+        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32).to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        num_decodes=sum(1 for n in query_lens if n == 1),
+    )
+    cos_sin = RotaryEmbedding(dim, 4096, RopeConfig(theta=10000.0)).cos_sin_cache.to(DEVICE)
+    norms = [(1 + 0.1 * torch.randn(dim, generator=gen)).to(DEVICE) for _ in range(2)]
+    rotation = Rotation(positions, cos_sin, *norms, eps=1e-6)
+    q, k, v = (torch.randn(tokens, n, dim, generator=gen).to(DEVICE) for n in (heads, kv_heads, kv_heads))
+    outs, caches = [], []
+    for name in ("triton", "torch"):
+        backend = get_backend(name, block_size, 128)
+        cache = LayerKVCache(*(x if x is None else x.clone() for x in (key_cache, value_cache, *scales)))
+        outs.append(backend.forward(q.clone(), k, v, rotation, cache, backend.build_metadata(metadata), dim**-0.5))
+        caches.append(cache)
+    assert rel_err(outs[0], outs[1]) < (2e-3 if kv_int8 else TOL[torch.float32])
+    for name in ("key", "value"):  # INT8 may round a value the other way at a .5 boundary
+        diff = (getattr(caches[0], name).float() - getattr(caches[1], name).float()).abs()
+        assert diff.max() <= (1 if kv_int8 else 1e-5) and (diff > 0).float().mean() < 1e-2
+    if kv_int8:
+        for name in ("key_scale", "value_scale"):
+            assert torch.allclose(getattr(caches[0], name), getattr(caches[1], name), rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_int8", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (8, 1, 64)])
