@@ -191,7 +191,7 @@ class ModelRunner:
                 self._warmup([self._dummy_row(num_tokens)], COMPILE_SAMPLING)
             # Eager steps of one or two decodes beside a prefill chunk (16 tokens in all, as the pass above): their
             # decode kernels read K/V that the RoPE kernel stored, unlike pure-decode steps' (NEW_TOKENS_BATCHES).
-            for num_decodes in (1, 2):
+            for num_decodes in (n for n in (1, 2) if n < cfg.max_num_seqs):
                 self._warmup([self._dummy_row(1) for _ in range(num_decodes)] + [self._dummy_row(16 - num_decodes)], ())
             for num_seqs in decode_batches:
                 self._warmup([self._dummy_row(1) for _ in range(num_seqs)], ())
