@@ -1,13 +1,17 @@
-"""Batch-1 decode on the GPU under other tile rules for the one-row GEMV (`kernels.gemv.gemv_tiles`), each rule in
-fresh processes, in the order A..Z Z..A so that the machine's drift falls on all alike, with each kernel's share of
-the GPU timeline (`profile_step.critical_path`). Kernel sweeps (`matmul_sweep.py`) time one matmul at a time; under
-PDL a GEMV's cost depends on what it overlaps, so rules are compared here in whole decode steps.
+"""Batch-1 decode on the GPU under other tile rules for the one-row GEMV (`kernels.gemv.gemv_tiles`), or other
+split sizes for the decode attention, each rule in fresh processes, in the order A..Z Z..A so that the machine's
+drift falls on all alike, with each kernel's share of the GPU timeline (`profile_step.critical_path`). Kernel
+sweeps (`matmul_sweep.py`) time one matmul at a time; under PDL a GEMV's cost depends on what it overlaps, so rules
+are compared here in whole decode steps.
 
     python benchmarks/gemv_rules.py --model Qwen3-0.6B --rules current whole4096 whole16384 narrow4
     python benchmarks/gemv_rules.py --rules current --tree before=/tmp/base   # /tmp/base/pagellm, same rule
 
 A rule applies to the weights it names (`SMALL`: up to `gemv.SMALL_WEIGHT` elements; `ALL`: every weight but the
-LM head, n > 16384); the others keep `gemv_tiles`' tiles.
+LM head, n > 16384); the others keep `gemv_tiles`' tiles. `SPLIT` rules set the small-batch decode attention's split
+size and tile instead (`decode_attention.MIN_SPLIT` / `BLOCK_N`), the GEMV as it is.
+
+    python benchmarks/gemv_rules.py --rules current split128 split128x128 split256 split4096 --name decode-splits
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.common import environment, markdown_table, run_in_tree, write_results  # noqa: E402
 
 # rule name -> (weights it applies to, how its tiles are made: "whole <elements> <warps>" or
-# "tiles <block_n> <block_k> <warps> <stages>")
+# "tiles <block_n> <block_k> <warps> <stages>"), or ("SPLIT", "<split tokens> <tile tokens>")
 RULES = {
     "current": ("SMALL", None),
     "whole4096": ("SMALL", "whole 4096 4"),
@@ -35,6 +39,10 @@ RULES = {
     "streamed": ("SMALL", "tiles 8 512 4 4"),  # the tiles small weights had before whole rows
     "whole8192-all": ("ALL", "whole 8192 4"),
     "narrow4-all": ("ALL", "tiles 4 512 4 4"),
+    "split128": ("SPLIT", "128 64"),
+    "split128x128": ("SPLIT", "128 128"),  # one 128-token tile per split
+    "split256": ("SPLIT", "256 64"),
+    "split4096": ("SPLIT", "4096 64"),  # one split per sequence up to 4,096 tokens
 }
 
 CHILD = """
@@ -58,7 +66,11 @@ def ruled(n, k):
         return current(n, k)
     return gemv.Tiles(min(16, elements // row), row, warps, 1)
 
-gemv.gemv_tiles = ruled
+if scope == "SPLIT":
+    import pagellm.kernels.decode_attention as decode_attention
+    decode_attention.MIN_SPLIT[False, True], decode_attention.BLOCK_N[False, True] = map(int, make.split())
+else:
+    gemv.gemv_tiles = ruled
 from pagellm import LLM, SamplingParams
 from benchmarks.latency import decode_rate
 from benchmarks.models import model_dir
@@ -110,16 +122,18 @@ def main() -> None:
                 "b1_tok_s": tok_s,
                 "vs_first": tok_s / first,
                 "gemv_us": path.get("_gemv_kernel", 0.0),
+                "attention_us": path.get("_decode_partial_kernel", 0.0) + path.get("_decode_merge_kernel", 0.0),
                 "idle_us": path.get("(idle)", 0.0),
                 "runs": [r["tok_s"] for r in results],
                 "critical_path": results[0]["critical_path"],
             }
         )
-    table = markdown_table(rows, ["variant", "b1_tok_s", "vs_first", "gemv_us", "idle_us"])
+    table = markdown_table(rows, ["variant", "b1_tok_s", "vs_first", "gemv_us", "attention_us", "idle_us"])
     note = (
         f"{args.model}, dummy bf16 weights, batch-1 decode (128-token prompt, 256 new tokens, median of 3 per "
-        "process, mean of two processes, order A..Z Z..A); gemv_us / idle_us: per step, the one-row GEMVs' and "
-        "the idle share of the GPU timeline (profile_step.critical_path, one process)"
+        "process, mean of two processes, order A..Z Z..A); gemv_us / attention_us / idle_us: per step, the one-row "
+        "GEMVs', the decode attention's (partial + merge) and the idle share of the GPU timeline "
+        "(profile_step.critical_path, one process)"
     )
     write_results(args.name, {"environment": environment(), "note": note, "rows": rows}, table)
     print(table)
