@@ -78,8 +78,13 @@ NEW_TOKENS_BATCHES = range(2, 17)
 
 def rotates_new_tokens(head_dim: int, num_seqs: int) -> bool:
     """Whether a pure-decode step of `num_seqs` sequences hands its new tokens to the decode kernel
-    (`NEW_TOKENS_BATCHES`): it can for power-of-two head sizes, whose rotated halves are joined in registers."""
-    return num_seqs in NEW_TOKENS_BATCHES and head_dim == triton.next_power_of_2(head_dim)
+    (`NEW_TOKENS_BATCHES`), which it can for the head sizes `_joins_halves` allows."""
+    return num_seqs in NEW_TOKENS_BATCHES and _joins_halves(head_dim)
+
+
+def _joins_halves(head_dim: int) -> bool:
+    """The kernel joins a rotated head's two halves in registers, which needs a power-of-two head size."""
+    return head_dim == triton.next_power_of_2(head_dim)
 
 
 def decode_tile(kv_int8: bool, num_seqs: int, block_size: int) -> int:
@@ -422,7 +427,7 @@ def _new_token_arguments(new_tokens: NewTokens | None, q: torch.Tensor) -> tuple
     """The partial kernel's new-token arguments (k_new_ptr .. eps); unused stand-ins without `new_tokens`."""
     if new_tokens is None:
         return (q, q, q, q, q, q, q, 0, 0, 0, 0, 0, 0.0)
-    if q.shape[-1] != triton.next_power_of_2(q.shape[-1]):
+    if not _joins_halves(q.shape[-1]):
         raise ValueError(f"new_tokens needs a power-of-two head_dim, got {q.shape[-1]}")
     key, value = new_tokens.key, new_tokens.value
     norms = (new_tokens.q_norm, new_tokens.k_norm) if new_tokens.q_norm is not None else (q, q)

@@ -153,8 +153,8 @@ def gemv_tiles(n: int, k: int) -> Tiles:
     WHOLE_ROWS_TILE elements per program: a program's loads are all in flight at once, and under PDL
     (`_gemv_kernel` loads its first tile before waiting) the programs placed while the kernel before runs have
     read their whole share of the weight by the time it ends. Batch-1 decode of Qwen3-0.6B on an H100, same run:
-    +9.8% (results/gemv-rules-h100-2026-12-07, beside an attention change since dropped); halving the tile, 8 warps
-    or narrower streamed tiles gave less.
+    1.14x the streamed tiles (results/ab-gemv-whole-rows-h100-2026-12-07); halving the tile, 8 warps or narrower
+    streamed tiles gave less (results/gemv-rules-h100-2026-12-07).
     Larger weights stream in 512-wide tiles, 8 rows per program (an H200 sweep over Llama-3.1-8B shapes; narrower
     tiles were 2-10% slower for its batch-1 decode), and the widest (an LM head, Llama-3.1-8B's gate|up) in
     256-wide ones, 16 rows per program."""
