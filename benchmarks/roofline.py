@@ -18,6 +18,7 @@ import argparse
 import itertools
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,6 +31,32 @@ WEIGHT_BYTES = {"none": 2.0, "fp8": 1.0, "awq": 0.5 + 4 / 128, "gptq": 0.5 + 4 /
 KV_BYTES = {"auto": 2.0, "int8": 1.0 + 4 / 128}
 
 
+class ModelCost(NamedTuple):
+    """What a model moves and computes per token: its linears' and LM head's parameters, the weight bytes one step
+    reads, the KV bytes of one context token, and the attention FLOPs per query token and key."""
+
+    linear_params: int
+    head_params: int
+    step_bytes: float
+    kv_token_bytes: float
+    attention_flops_per_key: int
+
+
+def model_cost(shape: dict, quantization: str, kv_cache_dtype: str) -> ModelCost:
+    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
+    q_heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape.get("head_dim") or h // q_heads
+    linear_params = layers * (h * head_dim * 2 * (q_heads + kv_heads) + 3 * h * shape["intermediate_size"])
+    head_params = vocab * h  # the LM head (tied or not) stays in the model's dtype
+    return ModelCost(
+        linear_params=linear_params,
+        head_params=head_params,
+        step_bytes=linear_params * WEIGHT_BYTES[quantization] + head_params * 2,
+        kv_token_bytes=layers * 2 * kv_heads * head_dim * KV_BYTES[kv_cache_dtype],
+        attention_flops_per_key=4 * layers * q_heads * head_dim,
+    )
+
+
 def standard_workload_bound(
     shape: dict,
     in_lens: list[int],
@@ -40,29 +67,23 @@ def standard_workload_bound(
     flops: float,
 ) -> dict[str, float]:
     """Seconds the workload needs at least (`bound_s`), its parts, and the output tokens/s that bound allows."""
-    h, layers, vocab = shape["hidden_size"], shape["num_hidden_layers"], shape["vocab_size"]
-    q_heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
-    head_dim = shape.get("head_dim") or h // q_heads
-    linear_params = layers * (h * head_dim * 2 * (q_heads + kv_heads) + 3 * h * shape["intermediate_size"])
-    head_params = vocab * h  # the LM head (tied or not) stays in the model's dtype
-    step_bytes = linear_params * WEIGHT_BYTES[quantization] + head_params * 2
-    kv_token_bytes = layers * 2 * kv_heads * head_dim * KV_BYTES[kv_cache_dtype]
+    cost = model_cost(shape, quantization, kv_cache_dtype)
     # Output token j >= 2 of a request with a prompt of p tokens is fed at position p + j - 2: it attends p + j - 1
     # tokens (the first output token comes from the prefill, whose prompt position i attends i + 1).
     decode_keys = sum((o - 1) * p + (o - 1) * o // 2 for p, o in zip(in_lens, out_lens))
     prefill_keys = sum(p * (p + 1) // 2 for p in in_lens)
     fed_tokens = sum(p + o - 1 for p, o in zip(in_lens, out_lens))
-    matmul_flops = 2 * linear_params * fed_tokens + 2 * head_params * sum(out_lens)
-    attention_flops = 4 * layers * q_heads * head_dim * (decode_keys + prefill_keys)
-    memory_s = (max(out_lens) * step_bytes + kv_token_bytes * decode_keys) / bandwidth
+    matmul_flops = 2 * cost.linear_params * fed_tokens + 2 * cost.head_params * sum(out_lens)
+    attention_flops = cost.attention_flops_per_key * (decode_keys + prefill_keys)
+    memory_s = (max(out_lens) * cost.step_bytes + cost.kv_token_bytes * decode_keys) / bandwidth
     compute_s = matmul_flops / (flops * (2 if quantization == "fp8" else 1)) + attention_flops / flops
     bound_s = max(memory_s, compute_s)
     return {
         "bound_s": bound_s,
         "memory_s": memory_s,
         "compute_s": compute_s,
-        "weight_tb": max(out_lens) * step_bytes / 1e12,
-        "kv_tb": kv_token_bytes * decode_keys / 1e12,
+        "weight_tb": max(out_lens) * cost.step_bytes / 1e12,
+        "kv_tb": cost.kv_token_bytes * decode_keys / 1e12,
         "bound_tok_s": sum(out_lens) / bound_s,
     }
 

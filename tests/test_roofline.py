@@ -56,3 +56,33 @@ def test_the_limits_are_those_measured_on_the_gpu_in_use(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(SystemExit, match="A100.*pass them"):
         measured_limits()
+
+
+@pytest.mark.parametrize("quantization", ["none", "fp8"])
+def test_step_costs_of_an_all_at_once_schedule_sum_to_the_workload_bound(quantization):
+    # benchmarks/step_timeline.py's per-step arithmetic, summed over the schedule the workload bound assumes (every
+    # prompt in one step, then every request's decodes together), against the workload's closed form. The bound
+    # leaves the prefill's KV reads out: the steps count each prompt's context once.
+    from benchmarks.roofline import model_cost
+    from benchmarks.step_timeline import step_cost
+    from pagellm.core.step import SamplingRow, SchedulerOutput, StepRow
+    from pagellm.sampling_params import SamplingParams
+
+    in_lens, out_lens = [3, 5, 1], [4, 1, 2]
+    bandwidth, flops = 1e9, 1e12
+    cost = model_cost(TINY_SHAPES, quantization, "auto")
+    sampled = SamplingRow(SamplingParams(), 0, [], [])
+
+    def row(start: int, n: int) -> StepRow:
+        return StepRow("r", start, n, [0] * n, [], sampling=sampled)
+
+    schedule = [SchedulerOutput([row(0, p) for p in in_lens])]
+    for j in range(1, max(out_lens)):  # the decode feeding output token j of each request that has one
+        schedule.append(SchedulerOutput([row(p + j - 1, 1) for p, o in zip(in_lens, out_lens) if j < o]))
+    steps = [step_cost(step, cost, bandwidth, flops, quantization == "fp8") for step in schedule]
+
+    bound = standard_workload_bound(TINY_SHAPES, in_lens, out_lens, quantization, "auto", bandwidth, flops)
+    prefill_reads = cost.kv_token_bytes * sum(in_lens) / bandwidth
+    assert sum(s.memory_s for s in steps) == pytest.approx(bound["memory_s"] + prefill_reads)
+    assert sum(s.compute_s for s in steps) == pytest.approx(bound["compute_s"])
+    assert [s.prefill for s in steps] == [True] + [False] * (len(steps) - 1)
