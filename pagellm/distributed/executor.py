@@ -34,6 +34,7 @@ from pagellm.distributed.parallel import TensorParallel, check_tensor_parallel
 from pagellm.distributed.step_channel import GlooChannel, ShmChannel, StepChannel, shared_memory_is_ordered
 from pagellm.model.loader import load_config_dict
 from pagellm.quantization.config import check_tensor_parallel_quantization, resolve_quantization
+from pagellm.runner.heap import freeze_start_up_heap
 from pagellm.runner.input_batch import HostBatch, build_host_batch
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
 
@@ -286,6 +287,8 @@ def run_worker(
             smallest_over_ranks(runner.determine_num_blocks(), control)
         else:
             getattr(runner, method)(*args)
+            if method == "allocate_kv_cache":  # this rank's last start-up step
+                freeze_start_up_heap()
 
 
 def run_torchrun_worker(config: EngineConfig) -> None:

@@ -26,6 +26,7 @@ from pagellm.engine.scheduler import Scheduler, SchedulerStats
 from pagellm.engine.structured_outputs import StructuredOutputs
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
+from pagellm.runner.heap import freeze_start_up_heap
 from pagellm.runner.model_runner import LaunchedStep, ModelRunner
 from pagellm.sampling_params import SamplingParams
 
@@ -86,6 +87,8 @@ class Engine(ModelFrontend):
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
         # The step after it, already launched: a constrained look-ahead step's successor (see `step`).
         self._launched_next: _InFlight | None = None
+        with self._phase("freeze_heap"):
+            freeze_start_up_heap()
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:

@@ -3,7 +3,8 @@
 Stage 1, grid (sequence, KV head, split): each program walks its split of the context tile by tile through the
 block table, for all query heads of its KV head at once (GQA: each K/V tile is loaded once; the head group is
 padded to 16 rows because `tl.dot` needs M >= 16), and stores a normalized partial output plus its log-sum-exp.
-Stage 2, grid (sequence, head): merges all splits in one tile, each weighted by its log-sum-exp.
+Stage 2, grid (sequence, head): merges all splits in one tile, each weighted by its log-sum-exp. A sequence whose
+context fits one split has its output stored by stage 1 (the merge of one split would copy it), and stage 2 skips it.
 
 The split size depends on the engine's max_model_len and on whether the batch is small (at most
 SMALL_BATCH sequences, a CUDA-graph size, so a padded graph and an eager step of the same batch agree): few
@@ -150,6 +151,7 @@ def _decode_partial_kernel(
     seq_lens_ptr,
     part_out_ptr,
     part_lse_ptr,
+    out_ptr,
     stride_qt,
     stride_qh,
     stride_kb,
@@ -168,6 +170,8 @@ def _decode_partial_kernel(
     stride_ps,
     stride_lb,
     stride_lh,
+    stride_ot,
+    stride_oh,
     sm_scale,
     split_size,
     k_new_ptr,
@@ -276,10 +280,14 @@ def _decode_partial_kernel(
         acc = accumulate(acc, alpha, p, v, v_scale, KV_INT8, IEEE)
         m_i = m_new
     out = acc / l_i[:, None]
-    lse = m_i + tl.log(l_i)
-    out_ptrs = part_out_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
-    tl.store(out_ptrs, out, mask=g_mask[:, None] & d_mask[None, :])
-    tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, lse, mask=g_mask)
+    rows = g_mask[:, None] & d_mask[None, :]
+    if seq_len <= split_size:  # the sequence's only split: its output, as the merge would leave it (w = 1)
+        final_ptrs = out_ptr + seq * stride_ot + heads[:, None] * stride_oh + d[None, :]
+        tl.store(final_ptrs, out.to(out_ptr.dtype.element_ty), mask=rows)
+    else:
+        part_ptrs = part_out_ptr + seq * stride_pb + heads[:, None] * stride_ph + split * stride_ps + d[None, :]
+        tl.store(part_ptrs, out, mask=rows)
+        tl.store(part_lse_ptr + seq * stride_lb + heads * stride_lh + split, m_i + tl.log(l_i), mask=g_mask)
 
 
 @triton.jit
@@ -306,6 +314,8 @@ def _decode_merge_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     num_splits = tl.cdiv(tl.load(seq_lens_ptr + seq), split_size)
+    if num_splits <= 1:  # its one split wrote the output (none: a padding row)
+        return
     splits = tl.arange(0, BLOCK_S)
     s_mask = splits < num_splits
     d = tl.arange(0, BLOCK_D)
@@ -371,6 +381,7 @@ def paged_decode_attention(
         seq_lens,
         part_out,
         part_lse,
+        out,
         q.stride(0),
         q.stride(1),
         *kv_strides(key_cache, value_cache, key_scale),
@@ -380,6 +391,8 @@ def paged_decode_attention(
         part_out.stride(2),
         part_lse.stride(0),
         part_lse.stride(1),
+        out.stride(0),
+        out.stride(1),
         scale,
         split_size,
         *new,

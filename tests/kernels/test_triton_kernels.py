@@ -176,12 +176,15 @@ def test_decode_attention_rotates_new_tokens(dtype, kv_int8, heads, kv_heads, di
     rope_and_write_kv(
         rotated_q, k, v, positions, cos_sin, *separate_cache[:2], slots, *separate_cache[2:], *norms, 1e-6
     )
-    assert torch.equal(out, decode(rotated_q, separate_cache, max(seq_lens)))
+    # Bit for bit in the interpreter. On the GPU the two paths are compiled apart, and their last bits differ (on
+    # the H100 in fp16 and fp32 cases, 2026-12-07; not traced further: fused multiply-adds or sum orders, likely).
+    same = torch.equal if DEVICE == "cpu" else lambda a, b: rel_err(a, b) < TOL[dtype]
+    assert same(out, decode(rotated_q, separate_cache, max(seq_lens)))
     for fused_part, separate_part in zip(fused_cache, separate_cache):
-        assert fused_part is None or torch.equal(fused_part, separate_part)
+        assert fused_part is None or same(fused_part, separate_part)
     # A grid sized for a longer max length, as under CUDA-graph capture (the new tokens stored again; more splits
     # merged, whose sum may round differently on the GPU than `out`'s).
-    assert torch.equal(decode(q, fused_cache, 2048, new), decode(rotated_q, separate_cache, 2048))
+    assert same(decode(q, fused_cache, 2048, new), decode(rotated_q, separate_cache, 2048))
 
 
 @pytest.mark.parametrize("kv_int8", [False, True])
