@@ -63,6 +63,8 @@ class Engine(ModelFrontend):
                 num_blocks = self.runner.determine_num_blocks()
             with self._phase("kv_cache_and_cuda_graphs"):
                 self.runner.allocate_kv_cache(num_blocks)
+            with self._phase("freeze_heap"):  # while the tokenizer may still load: its few objects stay unfrozen
+                freeze_start_up_heap()
             with self._phase("tokenizer"):  # what the rest did not hide
                 tokenizer_loaded.result()
         if not config.quiet:
@@ -87,8 +89,6 @@ class Engine(ModelFrontend):
         self._in_flight: _InFlight | None = None  # the launched step whose tokens have not come back yet
         # The step after it, already launched: a constrained look-ahead step's successor (see `step`).
         self._launched_next: _InFlight | None = None
-        with self._phase("freeze_heap"):
-            freeze_start_up_heap()
 
     @contextlib.contextmanager
     def _phase(self, name: str) -> Iterator[None]:
