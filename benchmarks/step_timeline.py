@@ -37,7 +37,8 @@ from pagellm.core.step import SchedulerOutput  # noqa: E402
 
 # Pure-decode steps are grouped by rows: 1-16, 17-64, 65-128, 129-256, 257 and more.
 DECODE_ROWS = (16, 64, 128, 256)
-GROUPS = ["prefill"] + [f"decode {lo}-{hi}" for lo, hi in zip((1, 17, 65, 129), DECODE_ROWS)] + ["decode 257+"]
+GROUPS = ["prefill", *(f"decode {lo + 1}-{hi}" for lo, hi in zip((0, *DECODE_ROWS), DECODE_ROWS))]
+GROUPS.append(f"decode {DECODE_ROWS[-1] + 1}+")
 
 
 class StepCost(NamedTuple):

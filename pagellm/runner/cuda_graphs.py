@@ -20,7 +20,6 @@ Input ids sampled by a step still in flight are copied in on the device."""
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +27,7 @@ import torch
 from pagellm.config import cdiv
 from pagellm.model.attention import AttentionMetadata, LayerKVCache
 from pagellm.model.llama import LlamaForCausalLM
+from pagellm.runner.heap import freeze_start_up_heap
 from pagellm.runner.input_batch import HostBatch, split_mixed
 
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)
@@ -179,20 +179,18 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        gc.collect()
-        gc.freeze()  # no Python GC pauses (or frees) while graphs record
-        try:
-            pool = None
-            for shape in self.shapes:
-                self._forward(shape)  # warm-up: lazy initializations (and any kernel not yet compiled) outside capture
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[shape] = self._forward(shape)
-                pool = graph.pool()
-                self.graphs[shape] = graph
-        finally:
-            gc.unfreeze()
+        # No Python GC pauses (or frees) over the start-up heap while graphs record; it stays frozen, so the engine's
+        # own freeze when start-up ends collects only what was made since.
+        freeze_start_up_heap()
+        pool = None
+        for shape in self.shapes:
+            self._forward(shape)  # warm-up: lazy initializations (and any kernel not yet compiled) outside capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[shape] = self._forward(shape)
+            pool = graph.pool()
+            self.graphs[shape] = graph
 
     def can_run(self, batch: HostBatch) -> bool:
         return (
