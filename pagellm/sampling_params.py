@@ -22,6 +22,9 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2
 
 
+_KINDS = ("json", "json_object", "regex", "choice", "grammar")  # StructuredOutputsParams' constraints
+
+
 @dataclass(frozen=True)
 class StructuredOutputsParams:
     """Constrain a request's output (vLLM's names): exactly one of a JSON schema, any JSON object, a regex, a
@@ -35,7 +38,7 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False  # JSON: no whitespace beyond the separators
 
     def __post_init__(self) -> None:
-        kinds = [name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name)]
+        kinds = self._given()
         if len(kinds) != 1:
             raise InvalidParameter(
                 "structured_outputs",
@@ -51,13 +54,20 @@ class StructuredOutputsParams:
                     f"structured_outputs.json: a string schema must be JSON ({exc.msg} at character {exc.pos})",
                 ) from exc
         if self.choice is not None:
-            if not all(isinstance(c, str) and c for c in self.choice):
-                raise invalid_value("structured_outputs.choice", self.choice, "a list of non-empty strings")
+            if not self.choice or not all(isinstance(c, str) and c for c in self.choice):
+                raise invalid_value("structured_outputs.choice", self.choice, "a non-empty list of non-empty strings")
             object.__setattr__(self, "choice", list(self.choice))
+        for name in ("regex", "grammar"):
+            if getattr(self, name) == "":
+                raise invalid_value(f"structured_outputs.{name}", "", "a non-empty string")
 
     @property
     def kind(self) -> str:
-        return next(name for name in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, name))
+        return self._given()[0]
+
+    def _given(self) -> list[str]:
+        """The constraints given: the empty schema ({}, any JSON) is one; so is an empty choice or pattern, refused."""
+        return [name for name in _KINDS if getattr(self, name) not in (None, False)]
 
 
 @dataclass

@@ -143,6 +143,14 @@ def test_offline_structured_outputs_on_smollm2(smollm2_llm):
         temperature=1.0, max_tokens=10, structured_outputs=StructuredOutputsParams(choice=["A", "B"])
     )
     assert smollm2_llm.generate("Answer:", choice, use_tqdm=False)[0].outputs[0].text in ("A", "B")
+    # The empty schema: any JSON value.
+    anything = SamplingParams(n=4, temperature=1.0, seed=0, max_tokens=60, structured_outputs={"json": {}})
+    request = [{"role": "user", "content": "A person as a JSON object."}]
+    samples = smollm2_llm.chat(request, anything, use_tqdm=False)[0].outputs
+    done = [sample.text for sample in samples if sample.finish_reason == "stop"]
+    assert done, [sample.text for sample in samples]
+    for text in done:
+        json.loads(text)  # raises unless the whole output is one JSON value
 
 
 def test_bad_grammars_queue_nothing(smollm2_llm):
@@ -153,6 +161,10 @@ def test_bad_grammars_queue_nothing(smollm2_llm):
     assert not smollm2_llm.engine.has_unfinished()
     with pytest.raises(InvalidParameter, match="exactly one"):
         StructuredOutputsParams(regex="a", choice=["b"])
+    with pytest.raises(InvalidParameter, match=r"structured_outputs.choice=\[\] is invalid: must be a non-empty list"):
+        StructuredOutputsParams(choice=[])  # given, though empty: not "set none"
+    with pytest.raises(InvalidParameter, match="structured_outputs.grammar='' is invalid"):
+        StructuredOutputsParams(grammar="")
     with pytest.raises(InvalidParameter, match="structured_outputs"):
         SamplingParams(structured_outputs={"jsn": {}})
     with pytest.raises(InvalidParameter, match="structured_outputs.json: a string schema must be JSON"):

@@ -204,8 +204,9 @@ class SamplingFields(StrictModel):
         field, spec = found[0]
         try:
             return field, StructuredOutputsParams(**spec)
-        except InvalidParameter as exc:
-            raise InvalidParameter(field, f"{field}: {exc}") from exc
+        except InvalidParameter as exc:  # named after the request's field (a message may name it already)
+            message = str(exc) if str(exc).startswith(field) else f"{field}: {exc}"
+            raise InvalidParameter(field, message) from exc
 
     def _check_supported(self) -> None:
         for name, off_values, feature in _NOT_IMPLEMENTED:
