@@ -241,12 +241,13 @@ def test_triton_backend_step_equals_the_torch_backend(kv_int8, query_lens):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_int8", [False, True])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (8, 1, 64)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (8, 1, 64), (9, 3, 64)])
 def test_prefill_attention(dtype, kv_int8, heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(heads + dim + kv_int8)
     block_size = 16
-    # (query_len, seq_len): whole prompts, chunks after a cached prefix, decode rows mixed in.
-    seqs = [(7, 7), (33, 33), (20, 52), (1, 40), (16, 16), (70, 90)]
+    # (query_len, seq_len): whole prompts, chunks after a cached prefix (the last long enough for key tiles that
+    # every query of a tile sees), decode rows mixed in; groups of 1, 4, 8 and 3 query heads (a group padded).
+    seqs = [(7, 7), (33, 33), (20, 52), (1, 40), (16, 16), (70, 90), (150, 300)]
     kv_dtype = torch.int8 if kv_int8 else dtype
     key_cache, value_cache, scales, tables = fill_sequences(
         [s for _, s in seqs], block_size, 64, kv_heads, dim, dtype, kv_dtype, gen
