@@ -50,6 +50,16 @@ def test_bad_prompts_rejected_engine_keeps_serving(tiny_llama_dir):
         llm.generate({"prompt_token_ids": [1], "multi_modal_data": {}}, use_tqdm=False)
     with pytest.raises(ValueError, match="prompts: prompt_token_ids must be a list"):
         llm.generate([{"prompt_token_ids": "1 2"}], use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts: must be a string, a list of token ids.*; got 5"):
+        llm.generate(5, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompts: each prompt must be a string.*; got None"):
+        llm.generate([[1], None], use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params: must be a SamplingParams or a list of them; got dict"):
+        llm.generate([[1]], {"max_tokens": 2}, use_tqdm=False)
+    with pytest.raises(ValueError, match="sampling_params: each entry must be a SamplingParams"):
+        llm.generate([[1]], [None], use_tqdm=False)
+    with pytest.raises(ValueError, match="messages: must not be empty"):
+        llm.chat([], use_tqdm=False)
     # One bad prompt in a batch queues nothing.
     with pytest.raises(ValueError):
         llm.generate([[1, 2], []], use_tqdm=False)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -84,7 +84,9 @@ class LLM:
         """Apply the model's chat template to each conversation (with the tools it may call, in OpenAI's format),
         then generate. Tool calls are left in the text: parsing them is the server's job. continue_final_message
         (with add_generation_prompt=False) has the model go on with the last message, e.g. a started reply."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if not messages:
+            raise InvalidParameter("messages", "messages: must not be empty")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         prompts = [
             self.chat_prompt_ids(conv, add_generation_prompt, chat_template_kwargs, tools, continue_final_message)
             for conv in conversations
@@ -138,9 +140,14 @@ class LLM:
         return results
 
 
+PROMPT_FORMS = "a string, a list of token ids, or a dict of one of them"
+
+
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
     if isinstance(prompts, (str, dict)):
         prompts = [prompts]
+    if not isinstance(prompts, Iterable):
+        raise InvalidParameter("prompts", f"prompts: must be {PROMPT_FORMS}, or a list of prompts; got {prompts!r:.60}")
     prompts = list(prompts)
     if prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt given as token ids
@@ -149,9 +156,7 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]
     prompts = [_unwrap_prompt_dict(p) if isinstance(p, dict) else p for p in prompts]
     for p in prompts:
         if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(t, int) for t in p)):
-            raise InvalidParameter(
-                "prompts", "prompts: each prompt must be a string, a list of token ids, or a dict of one of them"
-            )
+            raise InvalidParameter("prompts", f"prompts: each prompt must be {PROMPT_FORMS}; got {p!r:.60}")
     return prompts
 
 
@@ -171,7 +176,14 @@ def _unwrap_prompt_dict(prompt: dict[str, Any]) -> str | list[int]:
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams], n: int) -> list[SamplingParams]:
     if isinstance(params, SamplingParams):
         return [params] * n
+    if isinstance(params, dict) or not isinstance(params, Iterable):
+        kind = type(params).__name__
+        raise InvalidParameter(
+            "sampling_params", f"sampling_params: must be a SamplingParams or a list of them; got {kind}"
+        )
     params = list(params)
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise InvalidParameter("sampling_params", "sampling_params: each entry must be a SamplingParams")
     if len(params) != n:
         raise InvalidParameter(
             "sampling_params", f"sampling_params: got {len(params)} for {n} prompts; pass one, or one per prompt"
