@@ -52,6 +52,12 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
 
 
+def _port(text: str) -> int:
+    if not text.isdigit() or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a TCP port: must be an integer in [0, 65535]")
+    return int(text)
+
+
 def engine_kwargs(args: argparse.Namespace) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig)}
 
@@ -65,6 +71,7 @@ def sampling_params(args: argparse.Namespace, model_defaults: Mapping[str, Any])
 def cmd_generate(args: argparse.Namespace) -> None:
     from pagellm import LLM
 
+    sampling_params(args, {})  # a bad flag fails now, not after the model has loaded
     llm = LLM(**engine_kwargs(args))
     outputs = llm.generate(args.prompt, sampling_params(args, llm.engine.default_sampling), use_tqdm=not args.quiet)
     for out in outputs:
@@ -75,6 +82,7 @@ def cmd_chat(args: argparse.Namespace) -> None:
     from pagellm import LLM
     from pagellm.chat_repl import run_chat
 
+    sampling_params(args, {})  # a bad flag fails now, not after the model has loaded
     llm = LLM(**engine_kwargs(args))
     run_chat(llm, sampling_params(args, llm.engine.default_sampling), args.system)
 
@@ -227,7 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="OpenAI-compatible server with a demo page")
     serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--port", type=_port, default=8000)
     serve.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or PAGELLM_API_KEY)")
     serve.add_argument("--served-model-name", default=None)
     serve.add_argument("--max-body-bytes", type=int, default=4 * 2**20)

@@ -48,3 +48,18 @@ def test_chat_streams_what_llm_chat_returns(recommending_model_dir, llm):
         for text in ("Hello there", "Hi")  # /reset: the second turn starts over
     ]
     assert replies == expected
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", PROMPT], ["chat"]])
+def test_a_bad_sampling_flag_fails_before_the_model_loads(command, tmp_path, capsys):
+    # No model at that path: the error is the flag's, so nothing was loaded first.
+    assert main([*command, "--model", str(tmp_path / "absent"), *ENGINE_FLAGS, "--top-p", "2"]) == 2
+    assert capsys.readouterr().err == "error: top_p=2.0 is invalid: must be in (0, 1]\n"
+
+
+@pytest.mark.parametrize("port", ["65536", "-1", "http"])
+def test_serve_refuses_a_port_that_is_none(port, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["serve", "--port", port])
+    assert exit_info.value.code == 2
+    assert f"argument --port: '{port}' is not a TCP port: must be an integer in [0, 65535]" in capsys.readouterr().err
