@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +15,12 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+# Beside a tokenizer pagellm saved (a GGUF file's conversion): the class AutoTokenizer loads it as, and under which
+# transformers version. Transformers' generic fast tokenizer then loads it directly: AutoTokenizer would import the
+# model's config module first, 1.1 s on the 2-core CPU machine (transformers 5.25: it pulls in sympy and
+# torch.distributed.tensor), most of the embedded model's start-up wait for its tokenizer.
+LOADED_AS_FILE = "pagellm_tokenizer.json"
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")  # transformers 4 and 5 names
 # Names that apply_chat_template or the template itself already binds: extra template variables cannot take them.
 RESERVED_TEMPLATE_VARIABLES = frozenset(
     {
@@ -43,6 +50,29 @@ def has_tokenizer(model_dir: str | Path) -> bool:
     return any((Path(model_dir) / name).exists() for name in TOKENIZER_FILES)
 
 
+def record_loaded_class(model_dir: str | Path) -> None:
+    """Note in LOADED_AS_FILE the class AutoTokenizer loads the directory's tokenizer as (see `Tokenizer.from_dir`)."""
+    import transformers
+
+    loaded = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    record = {"class": type(loaded).__name__, "transformers": transformers.__version__}
+    (Path(model_dir) / LOADED_AS_FILE).write_text(json.dumps(record))
+
+
+def _loads_as_generic(model_dir: Path) -> bool:
+    """Whether LOADED_AS_FILE says that this transformers version's AutoTokenizer loads the directory's tokenizer
+    as the generic fast tokenizer."""
+    try:
+        record = json.loads((model_dir / LOADED_AS_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(record, dict):
+        return False
+    import transformers
+
+    return record.get("class") in GENERIC_TOKENIZER_CLASSES and record.get("transformers") == transformers.__version__
+
+
 def read_chat_template(template: str) -> str:
     """The text of a chat template option (vLLM's --chat-template): a Jinja file's path or, where it holds Jinja's
     braces or a line break, the template itself."""
@@ -69,6 +99,10 @@ class Tokenizer:
         """The tokenizer saved in a model directory, or None when the directory has none."""
         if not has_tokenizer(path):
             return None
+        if _loads_as_generic(Path(path)):  # what AutoTokenizer would load, without its detour (LOADED_AS_FILE)
+            from transformers import PreTrainedTokenizerFast
+
+            return cls(PreTrainedTokenizerFast.from_pretrained(str(path)))
         from transformers import AutoTokenizer  # a second of import time, spent only on models with a tokenizer
 
         return cls(AutoTokenizer.from_pretrained(str(path)))

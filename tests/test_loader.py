@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -68,3 +69,57 @@ def test_gguf_conversion_is_an_hf_directory(smollm2_llm):
     qkv = ours.layers[3].self_attn.qkv_proj.weight.to_dense()
     assert torch.equal(hf.model.layers[3].self_attn.q_proj.weight, qkv[:q_size])
     assert (model_dir / "tokenizer.json").exists()
+
+
+TOKENIZER_PROBES = [
+    "Hello world!",
+    "  leading spaces,\ttabs\nand lines",
+    "émoji 🤖 and 中文",
+    "<|im_start|>user\nhi<|im_end|>",
+]
+
+
+def test_a_gguf_conversions_tokenizer_loads_as_autotokenizer_loads_it(smollm2_llm):
+    """The conversion notes the class AutoTokenizer (the oracle) loads its tokenizer as; the engine then loads that
+    class directly, and it tokenizes, decodes and renders chats exactly as AutoTokenizer's."""
+    import transformers
+
+    from pagellm.tokenizer import GENERIC_TOKENIZER_CLASSES, LOADED_AS_FILE
+
+    model_dir = smollm2_llm.engine.model_dir
+    oracle = transformers.AutoTokenizer.from_pretrained(str(model_dir))
+    assert json.loads((model_dir / LOADED_AS_FILE).read_text()) == {
+        "class": type(oracle).__name__,
+        "transformers": transformers.__version__,
+    }
+    assert type(oracle).__name__ in GENERIC_TOKENIZER_CLASSES  # so the engine took the direct way
+    ours = smollm2_llm.tokenizer
+    assert type(ours.hf) is type(oracle)
+    for text in TOKENIZER_PROBES:
+        ids = oracle.encode(text)
+        assert ours.encode(text) == ids
+        assert ours.decode(ids) == oracle.decode(ids, skip_special_tokens=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(chat) == oracle.apply_chat_template(
+        chat, add_generation_prompt=True, tokenize=False
+    )
+    assert ours.eos_token_id == oracle.eos_token_id and len(ours.hf) == len(oracle)
+
+
+def test_a_tokenizer_noted_under_another_transformers_loads_through_autotokenizer(smollm2_llm, tmp_path, monkeypatch):
+    import transformers
+
+    from pagellm.tokenizer import LOADED_AS_FILE, Tokenizer
+
+    model_dir = tmp_path / "conversion"
+    model_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        shutil.copy(smollm2_llm.engine.model_dir / name, model_dir / name)
+    (model_dir / LOADED_AS_FILE).write_text(json.dumps({"class": "TokenizersBackend", "transformers": "4.0.0"}))
+    calls = []
+    original = transformers.AutoTokenizer.from_pretrained
+    monkeypatch.setattr(
+        transformers.AutoTokenizer, "from_pretrained", lambda path, **kw: calls.append(path) or original(path, **kw)
+    )
+    assert Tokenizer.from_dir(model_dir).encode("hi") == smollm2_llm.tokenizer.encode("hi")
+    assert calls == [str(model_dir)]

@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from pagellm.quantization.config import is_gguf_linear
+from pagellm.tokenizer import record_loaded_class
 
 _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -48,7 +49,8 @@ _ARCHITECTURES = {
 # The block types of the decoder's linear weights, kept beside the cached conversion: quantization='gguf' reads
 # them there instead of parsing the file's metadata again (2 s for SmolLM2's, most of it the tokenizer's strings).
 LINEAR_TYPES_FILE = "gguf_linear_types.json"
-CACHE_FORMAT = 2  # part of the cache key: a conversion cached before LINEAR_TYPES_FILE existed is made again
+CACHE_FORMAT = 3  # part of the cache key: conversions cached before LINEAR_TYPES_FILE (2) or the tokenizer's
+# loaded class (3) was noted beside them are made again
 
 
 def cache_dir_for(gguf_path: Path) -> Path:
@@ -66,6 +68,7 @@ def convert_gguf_cached(gguf_path: str | Path, quiet: bool = False) -> Path:
     if not (out / ".complete").exists():
         reader = GGUFReader(gguf_path)
         _write_hf_dir(reader, gguf_path, out, quiet)
+        record_loaded_class(out)  # the cache is pagellm's own: its tokenizer stays as AutoTokenizer loaded it
         linear_types = sorted({t.tensor_type.name for t in reader.tensors if is_gguf_linear(t.name)})
         (out / LINEAR_TYPES_FILE).write_text(json.dumps(linear_types))
         (out / ".complete").touch()
