@@ -119,20 +119,22 @@ def create_app(
     async def version() -> dict:
         return {"version": __version__}  # vLLM's endpoint: clients probe it to tell the server's build
 
+    model_card = {
+        "id": model_name,
+        "object": "model",
+        "created": started,
+        "owned_by": "pagellm",
+        "max_model_len": llm.max_model_len,
+    }
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": model_name,
-                    "object": "model",
-                    "created": started,
-                    "owned_by": "pagellm",
-                    "max_model_len": llm.max_model_len,
-                }
-            ],
-        }
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model:path}")  # OpenAI's retrieve; a served name may hold slashes (org/name)
+    async def model(model: str) -> dict:
+        check_model(model)
+        return model_card
 
     async def respond(job: Job, stream: bool, request: Request):
         if stream:

@@ -8,7 +8,7 @@ from contextlib import aclosing
 import httpx
 import pytest
 import torch
-from openai import BadRequestError, OpenAI
+from openai import BadRequestError, NotFoundError, OpenAI
 
 from pagellm.engine.async_llm import RATE_WINDOW_S
 from tests.conftest import hf_greedy
@@ -22,6 +22,9 @@ def client(server):
 
 def test_models(client):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL) == client.models.list().data[0]
+    with pytest.raises(NotFoundError, match="model=.nope. does not exist"):
+        client.models.retrieve("nope")
 
 
 def test_version(server):
