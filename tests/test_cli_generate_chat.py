@@ -1,6 +1,7 @@
 """`pagellm generate` and `pagellm chat`, the terminal front doors, against the offline API: what they print is what
 `LLM.generate` / `LLM.chat` return with the same sampling, which takes the flags given, then the model's
-generation_config.json, then the CLI's own defaults (temperature 0.7, top_p 0.95, 256 tokens)."""
+generation_config.json, then the CLI's own defaults (temperature 0.7, top_p 0.95, 256 tokens). And the CLI's errors
+for bad flags and paths: a message naming them and exit status 2, before any model loads."""
 
 from __future__ import annotations
 
@@ -63,3 +64,15 @@ def test_serve_refuses_a_port_that_is_none(port, capsys):
         build_parser().parse_args(["serve", "--port", port])
     assert exit_info.value.code == 2
     assert f"argument --port: '{port}' is not a TCP port: must be an integer in [0, 65535]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "command,missing",
+    [
+        (["convert", "--gguf", "{tmp}/absent.gguf", "--output", "{tmp}/out"], "{tmp}/absent.gguf"),
+        (["quantize", "{tmp}/absent", "{tmp}/out", "--method", "awq"], "{tmp}/absent/config.json"),
+    ],
+)
+def test_a_missing_input_path_is_an_error_naming_it(command, missing, tmp_path, capsys):
+    assert main([part.format(tmp=tmp_path) for part in command]) == 2
+    assert capsys.readouterr().err == f"error: {missing.format(tmp=tmp_path)}: No such file or directory\n"
