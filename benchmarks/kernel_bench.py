@@ -1,5 +1,6 @@
 """Kernel benchmarks on the GPU: paged decode attention (bf16 and INT8 K/V) against torch SDPA on contiguous,
-unpaged K/V and against the bytes it must move / HBM bandwidth; fused add+RMSNorm and the KV write against
+unpaged K/V and against the bytes it must move / HBM bandwidth; paged prefill attention against SDPA's flash kernel
+and the bf16 rate; fused add+RMSNorm and the KV write against
 bandwidth; the one-row GEMV against cuBLAS (F.linear) and the sampling kernels against torch, both also against
 bandwidth.
 
@@ -22,6 +23,7 @@ from benchmarks.common import environment, markdown_table, measured_limits, writ
 from pagellm.kernels.decode_attention import paged_decode_attention, split_size_for  # noqa: E402
 from pagellm.kernels.gemv import gemv  # noqa: E402
 from pagellm.kernels.kv_write import rope_and_write_kv  # noqa: E402
+from pagellm.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 from pagellm.kernels.reference import quantize_int8  # noqa: E402
 from pagellm.kernels.rmsnorm import rms_norm  # noqa: E402
 from pagellm.kernels.sampling import argmax_rows, sample_rows  # noqa: E402
@@ -125,6 +127,38 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
     return rows
 
 
+def prefill_rows(flops: float) -> list[dict]:
+    """Paged prefill attention (bf16 K/V) of whole prompts and of chunks after a cached prefix, against SDPA's
+    flash kernel on contiguous K/V (whole prompts only: its causal mask is top-left aligned) and the bf16 rate.
+    Shapes: Qwen3-0.6B's heads (16 query, 8 KV) and Llama-3.1-8B's (32, 8), 128 a head."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows = []
+    for heads, seqs, query, context in ((16, 14, 574, 0), (16, 8, 1024, 0), (16, 4, 512, 1024), (32, 14, 574, 0)):
+        seq_len = context + query
+        blocks_per_seq = -(-seq_len // BLOCK)
+        k = torch.randn(seqs * blocks_per_seq, BLOCK, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        v = torch.randn_like(k)
+        tables = torch.randperm(k.shape[0], device="cuda", generator=gen).view(seqs, -1).to(torch.int32)
+        q = torch.randn(seqs * query, heads, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+        starts = torch.arange(seqs + 1, device="cuda", dtype=torch.int32) * query
+        lens = torch.full((seqs,), seq_len, dtype=torch.int32, device="cuda")
+        ms = bench_ms(lambda: paged_prefill_attention(q, k, v, tables, starts, lens, DIM**-0.5, query))
+        # Query i sees context + i + 1 keys: q @ k^T and p @ v, 2 FLOPs a multiply-add each.
+        work = 4 * DIM * heads * seqs * (query * (context + 1) + query * (query - 1) // 2)
+        row = {"kernel": f"prefill {heads}/{KV_HEADS} heads", "batch": seqs, "context": f"{context}+{query}", "ms": ms}
+        row.update({"TFLOP/s": work / ms / 1e9, "% of bf16 rate": 100 * work / ms / 1e-3 / flops})
+        if context == 0:
+            qc = q.view(seqs, query, heads, DIM).transpose(1, 2)
+            kc = torch.randn(seqs, KV_HEADS, query, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
+            vc = torch.randn_like(kc)
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+                row["sdpa_flash_ms"] = bench_ms(
+                    lambda: F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, enable_gqa=True)
+                )
+        rows.append(row)
+    return rows
+
+
 def gemv_rows(bandwidth: float) -> list[dict]:
     """Batch-1 linear layers of Llama-3.1-8B (qkv, o, down, LM head) and Qwen3-0.6B (o). Each run goes through
     enough copies of the weight (> 400 MB) that none is served from the 50 MB L2, as in a real decode step; the
@@ -177,6 +211,7 @@ def main() -> None:
         for b, c in ((64, 4096), (1, 32768), (16, 16384), (1, 16384))
         for int8 in (False, True)
     ]
+    rows += prefill_rows(measured_limits()[1])
     rows += norm_rope_rows(args.bandwidth) + gemv_rows(args.bandwidth) + sampling_rows(args.bandwidth)
     by_key = {(r["kernel"], r["batch"], r["context"]): r for r in rows}
     for ctx_b in ((16, 16384), (1, 16384)):
@@ -193,6 +228,8 @@ def main() -> None:
         "sdpa_flash_ms",
         "torch_ms",
         "int8 speedup",
+        "TFLOP/s",
+        "% of bf16 rate",
     ]
     table = markdown_table(rows, columns)
     write_results(
