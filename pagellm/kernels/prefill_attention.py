@@ -1,10 +1,11 @@
 """Triton: attention of a chunk of query tokens over paged K/V (chunked prefill, prefix-cache hits, mixed batches).
 
 Grid (sequence, KV head, query tile). A program computes a tile of BLOCK_Q query tokens for all GROUP query heads
-that share its KV head (rows token-major, BLOCK_Q * GROUP in all), so each K/V tile is loaded once per group
-instead of once per query head. Query i of a sequence with context c = seq_len - query_len sees keys j <= c + i
-(causal, lower-right aligned): key tiles every row of the tile sees run without the causal mask, the tiles across
-the diagonal with it, and key tiles past the tile's last visible key are skipped.
+that share its KV head (rows token-major, BLOCK_Q * BLOCK_G in all: the group padded to a power of two), so each
+K/V tile is loaded once per group instead of once per query head. Query i of a sequence with context
+c = seq_len - query_len sees keys j <= c + i (causal, lower-right aligned): key tiles every row of the tile sees run
+without the causal mask, the tiles across the diagonal with it, and key tiles past the tile's last visible key are
+skipped.
 """
 
 from __future__ import annotations
@@ -77,7 +78,11 @@ def _prefill_kernel(
     d_mask = d < HEAD_DIM
     q_offsets = (q_start + tokens)[:, None] * stride_qt + heads[:, None] * stride_qh
     q = tl.load(q_ptr + q_offsets + d[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0)
-    q = query_operand(q, sm_scale, KV_INT8)
+    # Scores in base 2: log2(e) folded into the softmax scale makes each exponential one MUFU.EX2 with no multiply
+    # before it; the loop's time follows its instruction count (16% fewer: 17-22% faster on the H100,
+    # ab-prefill-exp2-h100-2026-12-07).
+    qk_scale = sm_scale * 1.4426950408889634
+    q = query_operand(q, qk_scale, KV_INT8)
 
     m_i = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_Q * BLOCK_G], tl.float32)
@@ -115,15 +120,15 @@ def _prefill_kernel(
             KV_INT8,
             ASM_CVT,
         )
-        s = tile_scores(q, k, k_scale, sm_scale, KV_INT8, IEEE)
+        s = tile_scores(q, k, k_scale, qk_scale, KV_INT8, IEEE)
         if n0 >= unmasked_end:
             offs = n0 + tl.arange(0, BLOCK_N)
             visible = (offs[None, :] <= context + tokens[:, None]) & (offs < kv_end)[None, :]
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # padded rows see nothing: avoid inf - inf
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = accumulate(acc, alpha, p, v, v_scale, KV_INT8, IEEE)
         m_i = m_new
