@@ -272,6 +272,39 @@ def test_prefill_attention(dtype, kv_int8, heads, kv_heads, dim):
     assert rel_err(out, ref) < TOL[dtype]
 
 
+@pytest.mark.parametrize("kv_int8", [False, True])
+@pytest.mark.parametrize("block_size", [8, 32, 128])
+def test_prefill_attention_block_sizes(kv_int8, block_size):
+    """Chunks over cache blocks below, equal to and above the key tile: key tiles that every query sees (unmasked),
+    tiles across the diagonal, and a sequence ending inside a block."""
+    gen = torch.Generator().manual_seed(block_size + kv_int8)
+    seqs = [(150, 300), (70, 90), (33, 33), (1, 40)]
+    kv_dtype = torch.int8 if kv_int8 else torch.float16
+    seq_lens = [s for _, s in seqs]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    key_cache, value_cache, scales, tables = fill_sequences(
+        seq_lens, block_size, num_blocks, 2, 64, torch.float16, kv_dtype, gen
+    )
+    q_lens = [q for q, _ in seqs]
+    q = torch.randn(sum(q_lens), 8, 64, generator=gen).to(DEVICE, torch.float16)
+    qsl = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = reference.paged_attention(
+        q.float(),
+        key_cache if kv_int8 else key_cache.float(),
+        value_cache if kv_int8 else value_cache.float(),
+        tables,
+        qsl,
+        lens,
+        0.125,
+        max(q_lens),
+        max(seq_lens),
+        *scales,
+    )
+    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, 0.125, max(q_lens), *scales)
+    assert rel_err(out, ref) < TOL[torch.float16]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_int8", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (32, 8, 128), (4, 4, 32), (2, 1, 64), (6, 3, 80)])
