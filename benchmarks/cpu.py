@@ -1,7 +1,9 @@
 """CPU decode throughput: pagellm vs HF transformers `generate` on SmolLM2-135M-Instruct (fp32, or --dtype
-bfloat16 for both), same prompts, same process. Batch 1 and batch 8, 64 new tokens each, greedy, EOS ignored.
+bfloat16 for both), same prompts, same process. Batch 1 and batch 8, 64 new tokens each, greedy, EOS ignored; and
+the time to the first token of one long prompt (--prefill-tokens random token ids; HF's forward computes the last
+position's logits only).
 
-    python benchmarks/cpu.py [--new-tokens 64] [--repeats 3] [--dtype bfloat16]
+    python benchmarks/cpu.py [--new-tokens 64] [--repeats 3] [--dtype bfloat16] [--prefill-tokens 2000]
 """
 
 from __future__ import annotations
@@ -51,11 +53,25 @@ def time_hf(model, tokenizer, prompts: list[str], new_tokens: int) -> float:
     return elapsed
 
 
+def time_pagellm_prefill(llm: LLM, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)
+    return time.perf_counter() - start
+
+
+def time_hf_prefill(model, prompt: list[int]) -> float:
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), logits_to_keep=1)
+    return time.perf_counter() - start
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="both engines'")
+    parser.add_argument("--prefill-tokens", type=int, default=2000, help="the long prompt's length (0: skip)")
     args = parser.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,6 +100,22 @@ def main() -> None:
         }
         row["speedup"] = row["pagellm_tok_s"] / row["hf_tok_s"]
         rows.append(row)
+    prefill_rows = []
+    if args.prefill_tokens:
+        ours, theirs = [], []
+        for seed in range(args.repeats):  # a prompt of its own each time: pagellm would hit its prefix cache
+            prompt = torch.randint(100, 40000, (args.prefill_tokens,), generator=torch.Generator().manual_seed(seed))
+            prompt = prompt.tolist()
+            ours.append(time_pagellm_prefill(llm, prompt))
+            theirs.append(time_hf_prefill(hf, prompt))
+        prefill_rows.append(
+            {
+                "prompt_tokens": args.prefill_tokens,
+                "pagellm_ttft_s": statistics.median(ours),
+                "hf_forward_s": statistics.median(theirs),
+                "speedup": statistics.median(theirs) / statistics.median(ours),
+            }
+        )
     # The floor at batch 1: every weight a decode step multiplies by streams from memory once per token (packed
     # linear weights are buffers; the embedding table is only looked up, while the LM head, tied or not, packed or
     # not, streams a matrix of its size).
@@ -93,11 +125,14 @@ def main() -> None:
     head = model.embed_tokens.weight
     weight_bytes = sum(t.numel() * t.element_size() for t in [*decoder, head])
     table = markdown_table(rows, ["batch", "new_tokens", "pagellm_tok_s", "hf_tok_s", "speedup"])
+    if prefill_rows:
+        table += "\n\n" + markdown_table(prefill_rows, ["prompt_tokens", "pagellm_ttft_s", "hf_forward_s", "speedup"])
     payload = {
         "environment": environment(),
         "model": f"SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to {args.dtype})",
         "weight_bytes": weight_bytes,
         "rows": rows,
+        "prefill_rows": prefill_rows,
         "repeats": args.repeats,
     }
     path = write_results("cpu" if args.dtype == "float32" else f"cpu-{args.dtype}", payload, table)

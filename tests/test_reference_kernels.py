@@ -21,10 +21,14 @@ def dense_attention(q, k, v, scale):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (8, 1)])
-def test_paged_attention_matches_dense(kv_dtype, heads, kv_heads):
+@pytest.mark.parametrize(
+    "seqs",  # (query_len, seq_len)
+    [[(1, 1), (3, 9), (5, 5), (1, 17), (16, 16)], [(5, 5), (16, 16), (1, 1), (11, 11)]],
+    ids=["chunks-after-context", "whole-prompts"],
+)
+def test_paged_attention_matches_dense(kv_dtype, heads, kv_heads, seqs):
     gen = torch.Generator().manual_seed(0)
     block_size, num_blocks, dim = 4, 64, 32
-    seqs = [(1, 1), (3, 9), (5, 5), (1, 17), (16, 16)]  # (query_len, seq_len)
     key_cache = torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=kv_dtype)
     value_cache = torch.zeros_like(key_cache)
     scales = (

@@ -89,7 +89,10 @@ class AttentionPlan:
     """What every layer's reference attention needs and only the batch decides: computed once per step."""
 
     key_slots: torch.Tensor  # [B, L] flat cache slot of each sequence's key j (L = max_seq_len)
-    mask: torch.Tensor  # [B, 1, max_q, L] query i of sequence b may see key j
+    # [B, 1, max_q, L] query i of sequence b may see key j; None where every sequence is a whole prompt (no
+    # cached context), whose mask is SDPA's own top-left causal one: its CPU kernel then skips the tiles above the
+    # diagonal instead of computing and masking them.
+    mask: torch.Tensor | None
     seq_of_token: torch.Tensor  # [T] which sequence each flat query token belongs to
     row_of_token: torch.Tensor  # [T] its row within that sequence's queries
     max_query_len: int
@@ -110,6 +113,9 @@ def plan_attention(
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     seq_of_token = torch.repeat_interleave(torch.arange(batch, device=device), query_lens, output_size=num_tokens)
     row_of_token = torch.arange(num_tokens, device=device) - query_start_loc[seq_of_token]
+    if max_query_len > 1 and bool((query_lens == seq_lens).all()):
+        # Query i sees keys 0 .. i: a shorter prompt's padded keys are seen only by its padded queries, dropped.
+        return AttentionPlan(key_slots, None, seq_of_token, row_of_token, max_query_len)
     query_pos = (seq_lens - query_lens)[:, None] + torch.arange(max_query_len, device=device)[None]
     mask = (key_pos[None, None] <= query_pos[..., None]) & (key_pos[None, None] < seq_lens[:, None, None])
     return AttentionPlan(key_slots, mask[:, None], seq_of_token, row_of_token, max_query_len)
@@ -157,7 +163,13 @@ def paged_attention(
     padded_q = q.new_zeros(batch, plan.max_query_len, *q.shape[1:])
     padded_q[plan.seq_of_token, plan.row_of_token] = q
     out = F.scaled_dot_product_attention(
-        padded_q.transpose(1, 2), keys, values, attn_mask=plan.mask, scale=scale, enable_gqa=True
+        padded_q.transpose(1, 2),
+        keys,
+        values,
+        attn_mask=plan.mask,
+        is_causal=plan.mask is None,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(1, 2)[plan.seq_of_token, plan.row_of_token]
 
