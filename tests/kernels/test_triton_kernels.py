@@ -51,6 +51,23 @@ def fill_sequences(seq_lens, block_size, num_blocks, kv_heads, dim, dtype, kv_dt
     return key_cache, value_cache, scales, tables.to(DEVICE)
 
 
+def reference_attention(q, key_cache, value_cache, scales, tables, qsl, lens, scale, max_query_len):
+    """The torch twin's output in fp32 for flat queries over the cache (INT8 K/V as stored, with their scales)."""
+    int8 = key_cache.dtype == torch.int8
+    return reference.paged_attention(
+        q.float(),
+        key_cache if int8 else key_cache.float(),
+        value_cache if int8 else value_cache.float(),
+        tables,
+        qsl,
+        lens,
+        scale,
+        max_query_len,
+        int(lens.max()),
+        *scales,
+    )
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_int8", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (16, 2, 64), (8, 1, 64)])
@@ -65,18 +82,7 @@ def test_decode_attention(dtype, kv_int8, heads, kv_heads, dim):
     q = torch.randn(len(seq_lens), heads, dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(
-        q.float(),
-        key_cache if kv_int8 else key_cache.float(),
-        value_cache if kv_int8 else value_cache.float(),
-        tables,
-        qsl,
-        lens,
-        dim**-0.5,
-        1,
-        max(seq_lens),
-        *scales,
-    )
+    ref = reference_attention(q, key_cache, value_cache, scales, tables, qsl, lens, dim**-0.5, 1)
     for num_seqs in (len(seq_lens), 64):  # the small-batch split size (finer) and the large-batch one
         split = split_size_for(2048, num_seqs, kv_int8, block_size)
         out = paged_decode_attention(q, key_cache, value_cache, tables, lens, dim**-0.5, max(seq_lens), split, *scales)
@@ -100,18 +106,7 @@ def test_decode_attention_block_sizes(kv_int8, block_size):
     q = torch.randn(len(seq_lens), 8, 64, generator=gen).to(DEVICE, torch.float16)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
     qsl = torch.arange(len(seq_lens) + 1, dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(
-        q.float(),
-        key_cache if kv_int8 else key_cache.float(),
-        value_cache if kv_int8 else value_cache.float(),
-        tables,
-        qsl,
-        lens,
-        0.125,
-        1,
-        max(seq_lens),
-        *scales,
-    )
+    ref = reference_attention(q, key_cache, value_cache, scales, tables, qsl, lens, 0.125, 1)
     split = split_size_for(512, len(seq_lens), kv_int8, block_size)
     out = paged_decode_attention(q, key_cache, value_cache, tables, lens, 0.125, max(seq_lens), split, *scales)
     assert rel_err(out, ref) < TOL[torch.float16]
@@ -239,37 +234,32 @@ def test_triton_backend_step_equals_the_torch_backend(kv_int8, query_lens):
             assert torch.allclose(getattr(caches[0], name), getattr(caches[1], name), rtol=1e-5, atol=0)
 
 
+def check_prefill_attention(seqs, block_size, heads, kv_heads, dim, dtype, kv_int8, gen):
+    """The prefill kernel against the torch twin on sequences of (query_len, seq_len) in shuffled cache blocks."""
+    seq_lens = [s for _, s in seqs]
+    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
+    kv_dtype = torch.int8 if kv_int8 else dtype
+    key_cache, value_cache, scales, tables = fill_sequences(
+        seq_lens, block_size, num_blocks, kv_heads, dim, dtype, kv_dtype, gen
+    )
+    q_lens = [q for q, _ in seqs]
+    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(DEVICE, dtype)
+    qsl = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
+    ref = reference_attention(q, key_cache, value_cache, scales, tables, qsl, lens, dim**-0.5, max(q_lens))
+    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, dim**-0.5, max(q_lens), *scales)
+    assert rel_err(out, ref) < TOL[dtype]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kv_int8", [False, True])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 64), (8, 2, 128), (8, 1, 64), (9, 3, 64)])
 def test_prefill_attention(dtype, kv_int8, heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(heads + dim + kv_int8)
-    block_size = 16
     # (query_len, seq_len): whole prompts, chunks after a cached prefix (the last long enough for key tiles that
     # every query of a tile sees), decode rows mixed in; groups of 1, 4, 8 and 3 query heads (a group padded).
     seqs = [(7, 7), (33, 33), (20, 52), (1, 40), (16, 16), (70, 90), (150, 300)]
-    kv_dtype = torch.int8 if kv_int8 else dtype
-    key_cache, value_cache, scales, tables = fill_sequences(
-        [s for _, s in seqs], block_size, 64, kv_heads, dim, dtype, kv_dtype, gen
-    )
-    q_lens = [q for q, _ in seqs]
-    q = torch.randn(sum(q_lens), heads, dim, generator=gen).to(DEVICE, dtype)
-    qsl = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    lens = torch.tensor([s for _, s in seqs], dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(
-        q.float(),
-        key_cache if kv_int8 else key_cache.float(),
-        value_cache if kv_int8 else value_cache.float(),
-        tables,
-        qsl,
-        lens,
-        dim**-0.5,
-        max(q_lens),
-        max(lens.tolist()),
-        *scales,
-    )
-    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, dim**-0.5, max(q_lens), *scales)
-    assert rel_err(out, ref) < TOL[dtype]
+    check_prefill_attention(seqs, 16, heads, kv_heads, dim, dtype, kv_int8, gen)
 
 
 @pytest.mark.parametrize("kv_int8", [False, True])
@@ -279,30 +269,7 @@ def test_prefill_attention_block_sizes(kv_int8, block_size):
     tiles across the diagonal, and a sequence ending inside a block."""
     gen = torch.Generator().manual_seed(block_size + kv_int8)
     seqs = [(150, 300), (70, 90), (33, 33), (1, 40)]
-    kv_dtype = torch.int8 if kv_int8 else torch.float16
-    seq_lens = [s for _, s in seqs]
-    num_blocks = sum(-(-s // block_size) for s in seq_lens) + 3
-    key_cache, value_cache, scales, tables = fill_sequences(
-        seq_lens, block_size, num_blocks, 2, 64, torch.float16, kv_dtype, gen
-    )
-    q_lens = [q for q, _ in seqs]
-    q = torch.randn(sum(q_lens), 8, 64, generator=gen).to(DEVICE, torch.float16)
-    qsl = torch.tensor([0] + q_lens, device=DEVICE).cumsum(0).to(torch.int32)
-    lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    ref = reference.paged_attention(
-        q.float(),
-        key_cache if kv_int8 else key_cache.float(),
-        value_cache if kv_int8 else value_cache.float(),
-        tables,
-        qsl,
-        lens,
-        0.125,
-        max(q_lens),
-        max(seq_lens),
-        *scales,
-    )
-    out = paged_prefill_attention(q, key_cache, value_cache, tables, qsl, lens, 0.125, max(q_lens), *scales)
-    assert rel_err(out, ref) < TOL[torch.float16]
+    check_prefill_attention(seqs, block_size, 8, 2, 64, torch.float16, kv_int8, gen)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
