@@ -80,6 +80,19 @@ def test_vllm_prompt_dicts_equal_their_plain_forms(smollm2_llm):
     assert dicts[1].prompt_token_ids == ids
 
 
+def test_text_prompts_are_tokenized_once(tiny_chat_model_dir):
+    """generate validates every prompt before queueing any, with the ids it then queues: a text is encoded once."""
+    llm = LLM(str(tiny_chat_model_dir), device="cpu", dtype="float32", max_model_len=128, quiet=True)
+    tokenizer, encoded = llm.tokenizer, []
+    encode = tokenizer.encode
+    tokenizer.encode = lambda text, *args, **kwargs: encoded.append(text) or encode(text, *args, **kwargs)
+    prompts = ["Once upon a time", "The sky is"]
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert encoded == prompts
+    assert [o.prompt for o in outs] == prompts
+    assert [o.prompt_token_ids for o in outs] == [encode(p) for p in prompts]
+
+
 def test_output_stops_at_max_model_len(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), device="cpu", dtype="float32", max_model_len=32, quiet=True)
     out = llm.generate([list(range(1, 21))], SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
 from typing import Any
@@ -11,6 +12,7 @@ from tqdm import tqdm
 from pagellm.config import EngineConfig, engine_option_names
 from pagellm.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from pagellm.engine.engine import make_engine
+from pagellm.engine.input_processor import ProcessedRequest
 from pagellm.errors import InvalidParameter
 from pagellm.outputs import RequestOutput
 from pagellm.sampling_params import RequestOutputKind, SamplingParams
@@ -32,6 +34,7 @@ class LLM:
                 unknown[0], f"{unknown[0]}: not an engine option; the options are {', '.join(engine_option_names())}"
             )
         self.engine = make_engine(EngineConfig(model=model, **options))
+        self._request_numbers = itertools.count()
 
     @property
     def tokenizer(self):
@@ -53,9 +56,15 @@ class LLM:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         params_list = _as_params_list(sampling_params, len(prompt_list))
-        for prompt, params in zip(prompt_list, params_list):  # fail before anything is queued
-            self.engine.input_processor.tokenize(prompt, params.truncate_prompt_tokens)
-        return self._run([(p, sp) for p, sp in zip(prompt_list, params_list)], use_tqdm)
+        # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).
+        final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list}
+        # Every request validated (its text tokenized, once) before any is queued: a bad one fails the call and
+        # leaves nothing behind.
+        requests = [
+            self.engine.input_processor.process(prompt, final_only[id(params)], f"llm-{next(self._request_numbers)}")
+            for prompt, params in zip(prompt_list, params_list)
+        ]
+        return self._run(requests, use_tqdm)
 
     def beam_search(
         self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams, use_tqdm: bool = False
@@ -112,21 +121,13 @@ class LLM:
         """Stop the other tensor-parallel ranks' processes now (they stop with this process otherwise)."""
         self.engine.shutdown()
 
-    def _run(self, work: list[tuple[str | list[int], SamplingParams]], use_tqdm: bool) -> list[RequestOutput]:
-        # Only final outputs are returned, so the engine need not build one per token (as vLLM's LLM does).
-        final_only = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for _, p in work}
-        ids: list[str] = []
+    def _run(self, requests: list[ProcessedRequest], use_tqdm: bool) -> list[RequestOutput]:
+        order = {request.request_id: i for i, request in enumerate(requests)}
+        results: list[RequestOutput | None] = [None] * len(requests)
+        bar = tqdm(total=len(requests), desc="Generating", disable=not use_tqdm or self.engine.config.quiet)
         try:
-            for prompt, params in work:
-                ids.append(self.engine.add_request(prompt, final_only[id(params)]))
-        except InvalidParameter:  # a bad request further down the list: nothing of this call may stay queued
-            for rid in ids:
-                self.engine.abort(rid)
-            raise
-        order = {rid: i for i, rid in enumerate(ids)}
-        results: list[RequestOutput | None] = [None] * len(ids)
-        bar = tqdm(total=len(ids), desc="Generating", disable=not use_tqdm or self.engine.config.quiet)
-        try:
+            for request in requests:
+                self.engine.enqueue(request)
             while self.engine.has_unfinished():
                 for out in self.engine.step():
                     if out.finished and out.request_id in order:
@@ -134,9 +135,9 @@ class LLM:
                         bar.update()
         finally:
             bar.close()
-            for rid, out in zip(ids, results):
-                if out is None:  # interrupted: free what is left
-                    self.engine.abort(rid)
+            for request, out in zip(requests, results):
+                if out is None:  # interrupted: free what is left (ids not queued yet are ignored)
+                    self.engine.abort(request.request_id)
         return results
 
 
