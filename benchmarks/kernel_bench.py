@@ -72,7 +72,7 @@ def bandwidth_row(kernel: str, batch: int, context: int, ms: float, moved: int, 
     }
 
 
-def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
+def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float, peers: bool = True) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     k, v, ks, vs, tables = paged_cache(batch, ctx, int8, gen)
     q = torch.randn(batch, HEADS, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -81,7 +81,7 @@ def decode_row(batch: int, ctx: int, int8: bool, bandwidth: float) -> dict:
     ms = bench_ms(lambda: paged_decode_attention(q, k, v, tables, lens, DIM**-0.5, ctx, split, ks, vs))
     kv_bytes = 2 * batch * ctx * KV_HEADS * DIM * k.element_size() + (2 * batch * ctx * KV_HEADS * 4 if int8 else 0)
     row = bandwidth_row(f"decode {'int8' if int8 else 'bf16'}", batch, ctx, ms, kv_bytes, bandwidth)
-    if not int8:  # the peer: SDPA on contiguous, unpaged K/V (its best case: no gather)
+    if peers and not int8:  # the peer: SDPA on contiguous, unpaged K/V (its best case: no gather)
         kc = torch.randn(batch, KV_HEADS, ctx, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
         vc = torch.randn_like(kc)
         qc = q.view(batch, HEADS, 1, DIM)
@@ -127,7 +127,7 @@ def norm_rope_rows(bandwidth: float) -> list[dict]:
     return rows
 
 
-def prefill_rows(flops: float) -> list[dict]:
+def prefill_rows(flops: float, peers: bool = True) -> list[dict]:
     """Paged prefill attention (bf16 K/V) of whole prompts and of chunks after a cached prefix, against SDPA's
     flash kernel on contiguous K/V (whole prompts only: its causal mask is top-left aligned) and the bf16 rate.
     Shapes: Qwen3-0.6B's heads (16 query, 8 KV) and Llama-3.1-8B's (32, 8), 128 a head."""
@@ -147,7 +147,7 @@ def prefill_rows(flops: float) -> list[dict]:
         work = 4 * DIM * heads * seqs * (query * (context + 1) + query * (query - 1) // 2)
         row = {"kernel": f"prefill {heads}/{KV_HEADS} heads", "batch": seqs, "context": f"{context}+{query}", "ms": ms}
         row.update({"TFLOP/s": work / ms / 1e9, "% of bf16 rate": 100 * work / ms / 1e-3 / flops})
-        if context == 0:
+        if peers and context == 0:
             qc = q.view(seqs, query, heads, DIM).transpose(1, 2)
             kc = torch.randn(seqs, KV_HEADS, query, DIM, device="cuda", dtype=torch.bfloat16, generator=gen)
             vc = torch.randn_like(kc)

@@ -1,9 +1,10 @@
-"""What the paged decode kernel, or the quantized-weight matmul, becomes on the H100/H200 (sm_90), compiled on this
-machine, no GPU needed: registers, spilled bytes, shared memory, programs resident per SM, and the instruction mix
-of its main loop (barriers included). GPU time is scarce; this shows before a device call whether a tile, warp or
-pipeline change can pay.
+"""What the paged decode or prefill attention kernel, or the quantized-weight matmul, becomes on the H100/H200
+(sm_90), compiled on this machine, no GPU needed: registers, spilled bytes, shared memory, programs resident per
+SM, and the instruction mix of its main loop (barriers included). GPU time is scarce; this shows before a device
+call whether a tile, warp or pipeline change can pay.
 
     python benchmarks/sm90_report.py --int8 --batch 16 --context 16384 --block-n 128 --warps 4 --stages 2
+    python benchmarks/sm90_report.py --prefill 16 --batch 14 --context 574
     python benchmarks/sm90_report.py --quant int4 --rows 1 --shape 28672 4096 --tiles 1 16 1024 4 2
 
 Launches are intercepted and compiled with Triton's own specialization of their arguments (CPU tensors stand in
@@ -32,6 +33,7 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import pagellm.kernels.decode_attention as decode_attention  # noqa: E402
+import pagellm.kernels.prefill_attention as prefill_attention  # noqa: E402
 import pagellm.kernels.quant_matmul as quant_matmul  # noqa: E402
 from pagellm.model.attention import allocate_kv_caches  # noqa: E402
 
@@ -96,6 +98,18 @@ def main_loop_mix(listing: str) -> collections.Counter:
     return collections.Counter(op.split()[1 if op.startswith("@") else 0].split(".")[0] for op in body)
 
 
+def loop_report(compiled, warps: int) -> dict:
+    """Resources, occupancy and the main loop's instruction mix of one compiled kernel."""
+    report = resources(compiled)
+    mix = main_loop_mix(cuobjdump(compiled, "-sass"))
+    report.update(
+        programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
+        loop_instructions=sum(mix.values()),
+        loop_mix=dict(mix.most_common()),
+    )
+    return report
+
+
 def decode_report(
     batch: int,
     context: int,
@@ -147,18 +161,36 @@ def decode_report(
             num_stages=stages,
             new_tokens=new,
         )
-    partial = launches[0]
-    report = resources(partial)
-    mix = main_loop_mix(cuobjdump(partial, "-sass"))
+    report = loop_report(launches[0], warps)
     report.update(
-        programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
-        tile=tile,
-        split=split,
-        loop_instructions=sum(mix.values()),
-        warp_instructions_per_token=round(sum(mix.values()) * warps / tile, 1),
-        loop_mix=dict(mix.most_common()),
+        tile=tile, split=split, warp_instructions_per_token=round(report["loop_instructions"] * warps / tile, 1)
     )
     return report
+
+
+def prefill_report(heads: int, batch: int, query: int, int8: bool) -> dict:
+    """The prefill attention kernel for `batch` whole prompts of `query` tokens, `heads` query heads over 8 KV heads
+    of 128, cache blocks of 16."""
+    block = 16
+    kv_dtype = torch.int8 if int8 else torch.bfloat16
+    cache = allocate_kv_caches(1, 64, block, 8, 128, kv_dtype, torch.device("cpu"))[0]
+    q = torch.zeros(batch * query, heads, 128, dtype=torch.bfloat16)
+    tables = torch.zeros(batch, -(-query // block), dtype=torch.int32)
+    starts = torch.arange(batch + 1, dtype=torch.int32) * query
+    lens = torch.full((batch,), query, dtype=torch.int32)
+    launches = []
+
+    def intercept(self, *args, grid, warmup, **kwargs):
+        launches.append((compile_for_sm90(self, args, kwargs), kwargs.get("num_warps", 4)))
+
+    with (
+        mock.patch.object(JITFunction, "run", intercept),
+        mock.patch.object(prefill_attention, "asm_conversions", lambda q: True),
+    ):
+        prefill_attention.paged_prefill_attention(
+            q, cache.key, cache.value, tables, starts, lens, 128**-0.5, query, cache.key_scale, cache.value_scale
+        )
+    return loop_report(*launches[0])
 
 
 def quant_report(fmt: str, rows: int, n: int, k: int, tiles: quant_matmul.Tiles | None) -> dict:
@@ -181,14 +213,10 @@ def quant_report(fmt: str, rows: int, n: int, k: int, tiles: quant_matmul.Tiles 
     ):
         quant_matmul.weight_only_matmul(x, *stored, tiles=tiles)
     compiled, warps = launches[0]
-    report = resources(compiled)
-    mix = main_loop_mix(cuobjdump(compiled, "-sass"))
+    report = loop_report(compiled, warps)
     report.update(
-        programs_per_sm=programs_per_sm(report["registers"], warps, report["shared_bytes"]),
         layout_conversions=compiled.asm["ttgir"].count("ttg.convert_layout"),
-        loop_instructions=sum(mix.values()),
-        loop_barriers=mix.get("BAR", 0),
-        loop_mix=dict(mix.most_common()),
+        loop_barriers=report["loop_mix"].get("BAR", 0),
     )
     return report
 
@@ -204,12 +232,15 @@ def main() -> None:
     parser.add_argument("--split", type=int)
     parser.add_argument("--new-tokens", action="store_true", help="the pure-decode variant (RoPE and KV write inside)")
     parser.add_argument("--quant", choices=["int4", "fp8"], help="report the quantized-weight matmul instead")
+    parser.add_argument("--prefill", type=int, metavar="HEADS", help="report prefill attention (query heads) instead")
     parser.add_argument("--rows", type=int, default=1, help="--quant: activation rows")
     parser.add_argument("--shape", type=int, nargs=2, default=[6144, 4096], metavar=("N", "K"), help="--quant")
     parser.add_argument("--tiles", type=int, nargs="+", help="--quant: Tiles' fields (default: matmul_tiles)")
     parser.add_argument("--json", action="store_true", help="print the report as one JSON object")
     args = parser.parse_args()
-    if args.quant:
+    if args.prefill:
+        report = prefill_report(args.prefill, args.batch, args.context, args.int8)
+    elif args.quant:
         tiles = quant_matmul.Tiles(*args.tiles) if args.tiles else None
         report = quant_report(args.quant, args.rows, *args.shape, tiles)
     else:
