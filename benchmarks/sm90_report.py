@@ -21,7 +21,9 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from unittest import mock
 
 import torch
@@ -110,6 +112,22 @@ def loop_report(compiled, warps: int) -> dict:
     return report
 
 
+def first_launch(module: ModuleType, launch: Callable[[], object]) -> tuple[triton.compiler.CompiledKernel, int]:
+    """The first kernel `launch()` runs, compiled for sm_90 instead of run, and its warps: the launcher as it runs on
+    the GPU, with `module`'s inline-PTX conversions on."""
+    launches = []
+
+    def intercept(self, *args, grid, warmup, **kwargs):
+        launches.append((compile_for_sm90(self, args, kwargs), kwargs.get("num_warps", 4)))
+
+    with (
+        mock.patch.object(JITFunction, "run", intercept),
+        mock.patch.object(module, "asm_conversions", lambda x: True),
+    ):
+        launch()
+    return launches[0]
+
+
 def decode_report(
     batch: int,
     context: int,
@@ -135,17 +153,9 @@ def decode_report(
         positions, norm = torch.zeros(batch, dtype=torch.int64), torch.ones(128, dtype=torch.bfloat16)
         cos_sin = torch.zeros(context, 128)
         new = decode_attention.NewTokens(rows, rows, positions, positions, cos_sin, norm, norm, 1e-6)
-    launches = []
-
-    def intercept(self, *args, grid, warmup, **kwargs):
-        launches.append(compile_for_sm90(self, args, kwargs))
-
-    # The launcher as it runs on the GPU: inline-PTX conversions on, launches compiled instead of run.
-    with (
-        mock.patch.object(JITFunction, "run", intercept),
-        mock.patch.object(decode_attention, "asm_conversions", lambda q: True),
-    ):
-        decode_attention.paged_decode_attention(
+    partial = first_launch(
+        decode_attention,
+        lambda: decode_attention.paged_decode_attention(
             q,
             cache.key,
             cache.value,
@@ -160,8 +170,9 @@ def decode_report(
             num_warps=warps,
             num_stages=stages,
             new_tokens=new,
-        )
-    report = loop_report(launches[0], warps)
+        ),
+    )
+    report = loop_report(*partial)
     report.update(
         tile=tile, split=split, warp_instructions_per_token=round(report["loop_instructions"] * warps / tile, 1)
     )
@@ -178,19 +189,14 @@ def prefill_report(heads: int, batch: int, query: int, int8: bool) -> dict:
     tables = torch.zeros(batch, -(-query // block), dtype=torch.int32)
     starts = torch.arange(batch + 1, dtype=torch.int32) * query
     lens = torch.full((batch,), query, dtype=torch.int32)
-    launches = []
-
-    def intercept(self, *args, grid, warmup, **kwargs):
-        launches.append((compile_for_sm90(self, args, kwargs), kwargs.get("num_warps", 4)))
-
-    with (
-        mock.patch.object(JITFunction, "run", intercept),
-        mock.patch.object(prefill_attention, "asm_conversions", lambda q: True),
-    ):
-        prefill_attention.paged_prefill_attention(
-            q, cache.key, cache.value, tables, starts, lens, 128**-0.5, query, cache.key_scale, cache.value_scale
+    return loop_report(
+        *first_launch(
+            prefill_attention,
+            lambda: prefill_attention.paged_prefill_attention(
+                q, cache.key, cache.value, tables, starts, lens, 128**-0.5, query, cache.key_scale, cache.value_scale
+            ),
         )
-    return loop_report(*launches[0])
+    )
 
 
 def quant_report(fmt: str, rows: int, n: int, k: int, tiles: quant_matmul.Tiles | None) -> dict:
@@ -202,17 +208,7 @@ def quant_report(fmt: str, rows: int, n: int, k: int, tiles: quant_matmul.Tiles 
         stored = (weight, scales, scales, 4, 128)
     else:
         stored = (torch.zeros(n, k, dtype=torch.float8_e4m3fn), torch.zeros(n), None, 8, 0)
-    launches = []
-
-    def intercept(self, *args, grid, warmup, **kwargs):
-        launches.append((compile_for_sm90(self, args, kwargs), kwargs.get("num_warps", 4)))
-
-    with (
-        mock.patch.object(JITFunction, "run", intercept),
-        mock.patch.object(quant_matmul, "asm_conversions", lambda x: True),
-    ):
-        quant_matmul.weight_only_matmul(x, *stored, tiles=tiles)
-    compiled, warps = launches[0]
+    compiled, warps = first_launch(quant_matmul, lambda: quant_matmul.weight_only_matmul(x, *stored, tiles=tiles))
     report = loop_report(compiled, warps)
     report.update(
         layout_conversions=compiled.asm["ttgir"].count("ttg.convert_layout"),
